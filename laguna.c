@@ -1,0 +1,1216 @@
+/* laguna.c -- inference for poolside's Laguna-XS in one readable C file.
+ *
+ *   make && ./laguna model.bin "def quicksort(arr):"
+ *
+ * Sections: utilities | loading the file | the forward pass (model order) | sampling |
+ * generation, scoring and chat | main. The CPU forward is the reference that the GPU backend
+ * (laguna.cu) is checked against; both follow the same steps with the same names.
+ */
+#define _GNU_SOURCE
+#include <ctype.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "laguna.h"
+#include "tokenizer.h"
+
+/* ----------------------------------------------------------------------------
+ * utilities */
+
+static void die(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "laguna: error: ");
+    vfprintf(stderr, fmt, ap);
+    fprintf(stderr, "\n");
+    va_end(ap);
+    exit(1);
+}
+
+static void *xcalloc(size_t n, size_t size) {
+    void *p = calloc(n ? n : 1, size ? size : 1);
+    if (!p) die("out of memory allocating %zu x %zu bytes", n, size);
+    return p;
+}
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+float bf16_to_float(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* ----------------------------------------------------------------------------
+ * loading: mmap the file, check everything, point the weights into it */
+
+#define FAIL(...) do { snprintf(err, errsz, __VA_ARGS__); return -1; } while (0)
+static const char *HINT_REEXPORT = "re-run export.py on the checkpoint with this version of laguna";
+
+const TensorEntry *find_tensor(const Model *m, const char *name) {
+    for (uint64_t i = 0; i < m->n_tensors; i++)
+        if (strncmp(m->dir[i].name, name, sizeof m->dir[i].name) == 0) return &m->dir[i];
+    return NULL;
+}
+
+/* Bind tensor `name`, checking its dtype class and exact shape (ndim dims, -1 = any). */
+static int bind(const Model *m, Tensor *t, const char *name, int want_f32, int ndim, int64_t d0, int64_t d1,
+                int64_t d2, char *err, size_t errsz) {
+    const TensorEntry *e = find_tensor(m, name);
+    if (!e) FAIL("tensor %s is missing from %s\n  hint: %s", name, m->path, HINT_REEXPORT);
+    if (want_f32 && e->dtype != DT_F32) FAIL("tensor %s should be f32, is dtype %u\n  hint: %s", name, e->dtype,
+                                              HINT_REEXPORT);
+    if (!want_f32 && e->dtype != DT_F32 && e->dtype != DT_BF16)
+        FAIL("tensor %s has dtype %u; this build reads f32 and bf16 weights", name, e->dtype);
+    int64_t want[3] = {d0, d1, d2};
+    if ((int)e->ndim != ndim) FAIL("tensor %s has %u dims, expected %d\n  hint: %s", name, e->ndim, ndim,
+                                   HINT_REEXPORT);
+    for (int i = 0; i < ndim; i++)
+        if (e->shape[i] != want[i])
+            FAIL("tensor %s has shape[%d] = %lld, expected %lld from the config\n  hint: %s", name, i,
+                 (long long)e->shape[i], (long long)want[i], HINT_REEXPORT);
+    t->data = (const char *)m->map + e->offset;
+    t->dtype = (int)e->dtype;
+    t->ndim = ndim;
+    for (int i = 0; i < 4; i++) t->shape[i] = e->shape[i];
+    return 0;
+}
+
+/* Parse "a b c" into ints; returns the count. */
+static int parse_int_list(const char *s, int *out, int max) {
+    int n = 0;
+    while (*s && n < max) {
+        char *end;
+        long v = strtol(s, &end, 10);
+        if (end == s) break;
+        out[n++] = (int)v;
+        s = end;
+    }
+    return n;
+}
+
+static int parse_config(Model *m, const char *text, size_t len, char *err, size_t errsz) {
+    Config *c = &m->config;
+    memset(c, 0, sizeof *c);
+    c->bos_id = c->pad_id = c->mask_id = -1;
+    c->gate_per_head = 1;
+    char *buf = xcalloc(len + 1, 1);
+    memcpy(buf, text, len);
+    int seen_layers = 0, n_heads_n = 0, n_lt = 0, n_mt = 0;
+    char lt[LAGUNA_MAX_LAYERS][16], mt[LAGUNA_MAX_LAYERS][16];
+    int rc = 0;
+    for (char *line = strtok(buf, "\n"); line; line = strtok(NULL, "\n")) {
+        char *eq = strchr(line, '=');
+        if (!eq) { snprintf(err, errsz, "malformed config line '%s'\n  hint: %s", line, HINT_REEXPORT); rc = -1; break; }
+        *eq = 0;
+        const char *k = line, *v = eq + 1;
+#define KEY(name) (strcmp(k, name) == 0)
+        if (KEY("model_type")) { if (strcmp(v, "laguna")) { snprintf(err, errsz, "model_type %s is not laguna", v); rc = -1; break; } }
+        else if (KEY("vocab_size")) c->vocab_size = atoi(v);
+        else if (KEY("hidden_size")) c->dim = atoi(v);
+        else if (KEY("n_layers")) { c->n_layers = atoi(v); seen_layers = 1; }
+        else if (KEY("n_kv_heads")) c->n_kv_heads = atoi(v);
+        else if (KEY("head_dim")) c->head_dim = atoi(v);
+        else if (KEY("n_heads")) n_heads_n = parse_int_list(v, c->n_heads, LAGUNA_MAX_LAYERS);
+        else if (KEY("layer_types") || KEY("mlp_types")) {
+            int *cnt = KEY("layer_types") ? &n_lt : &n_mt;
+            char (*dst)[16] = KEY("layer_types") ? lt : mt;
+            char tmp[16];
+            int off = 0, used;
+            while (*cnt < LAGUNA_MAX_LAYERS && sscanf(v + off, "%15s%n", tmp, &used) == 1) {
+                snprintf(dst[(*cnt)++], 16, "%s", tmp);
+                off += used;
+            }
+        }
+        else if (KEY("sliding_window")) c->sliding_window = atoi(v);
+        else if (KEY("intermediate_size")) c->hidden_dim = atoi(v);
+        else if (KEY("moe_intermediate_size")) c->moe_hidden_dim = atoi(v);
+        else if (KEY("shared_expert_intermediate_size")) c->shared_hidden_dim = atoi(v);
+        else if (KEY("n_experts")) c->n_experts = atoi(v);
+        else if (KEY("n_experts_per_tok")) c->n_experts_active = atoi(v);
+        else if (KEY("routed_scaling_factor")) c->routed_scaling = (float)strtod(v, NULL);
+        else if (KEY("router_logit_softcapping")) c->router_softcap = (float)strtod(v, NULL);
+        else if (KEY("rms_norm_eps")) c->norm_eps = (float)strtod(v, NULL);
+        else if (KEY("max_position_embeddings")) c->max_seq_len = atoi(v);
+        else if (KEY("gating")) c->gate_per_head = strcmp(v, "per-element") != 0;
+        else if (KEY("attention_bias")) c->attention_bias = atoi(v);
+        else if (KEY("tie_word_embeddings")) c->tied_embeddings = atoi(v);
+        else if (KEY("bos_token_id")) c->bos_id = atoi(v);
+        else if (KEY("pad_token_id")) c->pad_id = atoi(v);
+        else if (KEY("mask_token_id")) c->mask_id = atoi(v);
+        else if (KEY("eos_token_ids")) c->n_eos = parse_int_list(v, c->eos_ids, LAGUNA_MAX_EOS);
+        else if (KEY("rope_full_rotary_dim")) c->rotary_dim[ATTN_FULL] = atoi(v);
+        else if (KEY("rope_sliding_rotary_dim")) c->rotary_dim[ATTN_SLIDING] = atoi(v);
+        else if (KEY("rope_full_attention_scaling")) c->rope_scaling[ATTN_FULL] = (float)strtod(v, NULL);
+        else if (KEY("rope_sliding_attention_scaling")) c->rope_scaling[ATTN_SLIDING] = (float)strtod(v, NULL);
+        else {
+            snprintf(err, errsz, "unknown config key '%s' in %s\n  hint: the file was written by a newer "
+                     "export.py; update laguna", k, m->path);
+            rc = -1;
+            break;
+        }
+#undef KEY
+    }
+    free(buf);
+    if (rc) return rc;
+    if (!seen_layers || c->n_layers <= 0 || c->n_layers > LAGUNA_MAX_LAYERS)
+        FAIL("bad n_layers %d in %s\n  hint: %s", c->n_layers, m->path, HINT_REEXPORT);
+    if (n_heads_n != c->n_layers || n_lt != c->n_layers || n_mt != c->n_layers)
+        FAIL("per-layer lists do not have n_layers=%d entries\n  hint: %s", c->n_layers, HINT_REEXPORT);
+    if (c->vocab_size <= 0 || c->dim <= 0 || c->n_kv_heads <= 0 || c->head_dim <= 0 || c->head_dim % 2 ||
+        c->norm_eps <= 0 || c->max_seq_len <= 0)
+        FAIL("config in %s has a zero or negative size\n  hint: %s", m->path, HINT_REEXPORT);
+    c->kv_dim = c->n_kv_heads * c->head_dim;
+    for (int l = 0; l < c->n_layers; l++) {
+        if (!strcmp(lt[l], "full")) c->layer_type[l] = ATTN_FULL;
+        else if (!strcmp(lt[l], "sliding")) c->layer_type[l] = ATTN_SLIDING;
+        else FAIL("layer %d has unknown attention type '%s'", l, lt[l]);
+        if (!strcmp(mt[l], "dense")) c->mlp_type[l] = MLP_DENSE;
+        else if (!strcmp(mt[l], "sparse")) c->mlp_type[l] = MLP_SPARSE;
+        else FAIL("layer %d has unknown mlp type '%s'", l, mt[l]);
+        if (c->n_heads[l] <= 0 || c->n_heads[l] % c->n_kv_heads)
+            FAIL("layer %d: %d query heads is not a multiple of %d kv heads", l, c->n_heads[l], c->n_kv_heads);
+        if (c->n_heads[l] > c->max_heads) c->max_heads = c->n_heads[l];
+        int t = c->layer_type[l];
+        if (c->rotary_dim[t] <= 0 || c->rotary_dim[t] > c->head_dim || c->rotary_dim[t] % 2)
+            FAIL("bad rotary dim %d for layer %d\n  hint: %s", c->rotary_dim[t], l, HINT_REEXPORT);
+        if (t == ATTN_SLIDING && c->sliding_window <= 0) FAIL("sliding layer %d but sliding_window is 0", l);
+        if (c->mlp_type[l] == MLP_SPARSE &&
+            (c->n_experts <= 0 || c->n_experts_active <= 0 || c->n_experts_active > c->n_experts ||
+             c->moe_hidden_dim <= 0 || c->shared_hidden_dim <= 0))
+            FAIL("layer %d is MoE but the expert sizes are invalid", l);
+        if (c->mlp_type[l] == MLP_DENSE && c->hidden_dim <= 0) FAIL("layer %d is dense but intermediate_size is 0", l);
+    }
+    return 0;
+}
+
+static int bind_weights(Model *m, char *err, size_t errsz) {
+    Config *c = &m->config;
+    Weights *w = &m->weights;
+    int64_t H = c->dim, D = c->head_dim, KVD = c->kv_dim, V = c->vocab_size;
+    int64_t E = c->n_experts, I = c->moe_hidden_dim, S = c->shared_hidden_dim, F = c->hidden_dim;
+    char name[128];
+#define B(t, f32, nd, a, b, cc) do { if (bind(m, t, name, f32, nd, a, b, cc, err, errsz)) return -1; } while (0)
+#define N(...) snprintf(name, sizeof name, __VA_ARGS__)
+    N("model.embed_tokens.weight"); B(&w->embed, 0, 2, V, H, 0);
+    N("model.norm.weight"); B(&w->final_norm, 1, 1, H, 0, 0);
+    if (c->tied_embeddings) w->lm_head = w->embed;
+    else { N("lm_head.weight"); B(&w->lm_head, 0, 2, V, H, 0); }
+    for (int t = 0; t < 2; t++) {
+        int used = 0;
+        for (int l = 0; l < c->n_layers; l++) used |= c->layer_type[l] == t;
+        if (!used) continue;
+        Tensor inv;
+        N("rope.%s_attention.inv_freq", t == ATTN_FULL ? "full" : "sliding");
+        B(&inv, 1, 1, c->rotary_dim[t] / 2, 0, 0);
+        w->inv_freq[t] = inv.data;
+    }
+    for (int l = 0; l < c->n_layers; l++) {
+        LayerWeights *lw = &w->layers[l];
+        int64_t nh = c->n_heads[l];
+        N("model.layers.%d.input_layernorm.weight", l); B(&lw->attn_norm, 1, 1, H, 0, 0);
+        N("model.layers.%d.self_attn.q_proj.weight", l); B(&lw->wq, 0, 2, nh * D, H, 0);
+        N("model.layers.%d.self_attn.k_proj.weight", l); B(&lw->wk, 0, 2, KVD, H, 0);
+        N("model.layers.%d.self_attn.v_proj.weight", l); B(&lw->wv, 0, 2, KVD, H, 0);
+        if (c->attention_bias) {
+            N("model.layers.%d.self_attn.q_proj.bias", l); B(&lw->bq, 1, 1, nh * D, 0, 0);
+            N("model.layers.%d.self_attn.k_proj.bias", l); B(&lw->bk, 1, 1, KVD, 0, 0);
+            N("model.layers.%d.self_attn.v_proj.bias", l); B(&lw->bv, 1, 1, KVD, 0, 0);
+            N("model.layers.%d.self_attn.o_proj.bias", l); B(&lw->bo, 1, 1, H, 0, 0);
+        }
+        N("model.layers.%d.self_attn.q_norm.weight", l); B(&lw->q_norm, 1, 1, D, 0, 0);
+        N("model.layers.%d.self_attn.k_norm.weight", l); B(&lw->k_norm, 1, 1, D, 0, 0);
+        N("model.layers.%d.self_attn.g_proj.weight", l); B(&lw->wg, 0, 2, c->gate_per_head ? nh : nh * D, H, 0);
+        N("model.layers.%d.self_attn.o_proj.weight", l); B(&lw->wo, 0, 2, H, nh * D, 0);
+        N("model.layers.%d.post_attention_layernorm.weight", l); B(&lw->ffn_norm, 1, 1, H, 0, 0);
+        if (c->mlp_type[l] == MLP_DENSE) {
+            N("model.layers.%d.mlp.gate_proj.weight", l); B(&lw->w_gate, 0, 2, F, H, 0);
+            N("model.layers.%d.mlp.up_proj.weight", l); B(&lw->w_up, 0, 2, F, H, 0);
+            N("model.layers.%d.mlp.down_proj.weight", l); B(&lw->w_down, 0, 2, H, F, 0);
+        } else {
+            N("model.layers.%d.mlp.gate.weight", l); B(&lw->router, 0, 2, E, H, 0);
+            N("model.layers.%d.mlp.experts.e_score_correction_bias", l); B(&lw->expert_bias, 1, 1, E, 0, 0);
+            N("model.layers.%d.mlp.experts.gate_up_proj", l); B(&lw->experts_gate_up, 0, 3, E, 2 * I, H);
+            N("model.layers.%d.mlp.experts.down_proj", l); B(&lw->experts_down, 0, 3, E, H, I);
+            N("model.layers.%d.mlp.shared_expert.gate_proj.weight", l); B(&lw->shared_gate, 0, 2, S, H, 0);
+            N("model.layers.%d.mlp.shared_expert.up_proj.weight", l); B(&lw->shared_up, 0, 2, S, H, 0);
+            N("model.layers.%d.mlp.shared_expert.down_proj.weight", l); B(&lw->shared_down, 0, 2, H, S, 0);
+        }
+    }
+#undef B
+#undef N
+    return 0;
+}
+
+int load_model(Model *m, const char *path, char *err, size_t errsz) {
+    memset(m, 0, sizeof *m);
+    m->fd = -1;
+    m->path = path;
+    int fd = open(path, O_RDONLY);
+    if (fd < 0) FAIL("cannot open %s: %s", path, strerror(errno));
+    struct stat st;
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) { close(fd); FAIL("%s is not a regular file", path); }
+    uint64_t size = (uint64_t)st.st_size;
+    FileHeader h;
+    if (size < sizeof h || pread(fd, &h, sizeof h, 0) != (ssize_t)sizeof h) {
+        close(fd);
+        FAIL("%s is too short to be a laguna file (%llu bytes)\n  hint: convert a checkpoint with export.py",
+             path, (unsigned long long)size);
+    }
+    if (h.magic != LAGUNA_MAGIC) {
+        close(fd);
+        FAIL("%s is not a laguna model file (bad magic)\n  hint: convert the checkpoint with "
+             "`python3 export.py HF_DIR OUT.bin`", path);
+    }
+    if (h.version != LAGUNA_VERSION) {
+        close(fd);
+        if (h.version > LAGUNA_VERSION)
+            FAIL("%s has format version %u, newer than this laguna reads (%d)\n  hint: update laguna",
+                 path, h.version, LAGUNA_VERSION);
+        FAIL("%s has old format version %u (this laguna reads %d)\n  hint: %s", path, h.version,
+             LAGUNA_VERSION, HINT_REEXPORT);
+    }
+    if (h.kind != KIND_MODEL) {
+        close(fd);
+        FAIL("%s is a DFlash drafter, not a model\n  hint: pass it with -d, and the target model first", path);
+    }
+    if (h.file_size != size) {
+        close(fd);
+        FAIL("%s is %llu bytes but its header says %llu: the file is %s\n  hint: copy or export it again",
+             path, (unsigned long long)size, (unsigned long long)h.file_size,
+             size < h.file_size ? "truncated" : "corrupt");
+    }
+    if (h.config_offset < sizeof h || h.config_size > size || h.config_offset > size - h.config_size ||
+        h.n_tensors > size / sizeof(TensorEntry) || h.dir_offset > size - h.n_tensors * sizeof(TensorEntry)) {
+        close(fd);
+        FAIL("%s has a corrupt header\n  hint: %s", path, HINT_REEXPORT);
+    }
+    void *map = mmap(NULL, size, PROT_READ, MAP_PRIVATE, fd, 0);
+    if (map == MAP_FAILED) { close(fd); FAIL("cannot mmap %s: %s", path, strerror(errno)); }
+    m->fd = fd;
+    m->map = map;
+    m->file_size = size;
+    m->dir = (const TensorEntry *)((const char *)map + h.dir_offset);
+    m->n_tensors = h.n_tensors;
+    /* every tensor must lie inside the file, aligned, with a sane shape */
+    for (uint64_t i = 0; i < m->n_tensors; i++) {
+        const TensorEntry *e = &m->dir[i];
+        if (memchr(e->name, 0, sizeof e->name) == NULL) FAIL("tensor %llu has an unterminated name", (unsigned long long)i);
+        if (e->ndim < 1 || e->ndim > 4 || e->dtype > DT_U8)
+            FAIL("tensor %s has ndim %u / dtype %u\n  hint: %s", e->name, e->ndim, e->dtype, HINT_REEXPORT);
+        uint64_t n = 1;
+        for (uint32_t d = 0; d < e->ndim; d++) {
+            if (e->shape[d] <= 0 || (uint64_t)e->shape[d] > size) FAIL("tensor %s has a bad shape", e->name);
+            n *= (uint64_t)e->shape[d];
+            if (n > size) FAIL("tensor %s is larger than the file", e->name);
+        }
+        uint64_t bytes = n * (e->dtype == DT_F32 ? 4 : e->dtype == DT_BF16 ? 2 : 1);
+        if (e->offset % LAGUNA_ALIGN || e->offset > size || bytes > size - e->offset)
+            FAIL("tensor %s lies outside the file (offset %llu, %llu bytes)\n  hint: the file is corrupt; %s",
+                 e->name, (unsigned long long)e->offset, (unsigned long long)bytes, HINT_REEXPORT);
+    }
+    if (parse_config(m, (const char *)map + h.config_offset, h.config_size, err, errsz)) return -1;
+    return bind_weights(m, err, errsz);
+}
+
+/* ----------------------------------------------------------------------------
+ * the run state: activations for up to max_tokens tokens, and the KV cache */
+
+static int64_t cache_rows_for(const Config *c, int l, int ctx, int max_tokens) {
+    if (c->layer_type[l] == ATTN_FULL) return ctx;
+    /* a ring: the oldest key a query still needs is p-W+1, and a forward writes max_tokens rows
+     * before attending, so W + max_tokens - 1 rows are always enough */
+    int64_t r = (int64_t)c->sliding_window + max_tokens - 1;
+    return r < ctx ? r : ctx;
+}
+
+/* KV-cache bytes for a context of ctx positions (f32 on the CPU). */
+static uint64_t kv_cache_bytes(const Config *c, int ctx, int max_tokens) {
+    uint64_t b = 0;
+    for (int l = 0; l < c->n_layers; l++) b += (uint64_t)cache_rows_for(c, l, ctx, max_tokens) * c->kv_dim * 2 * 4;
+    return b;
+}
+
+static void alloc_state(Model *m, int ctx, int max_tokens) {
+    Config *c = &m->config;
+    RunState *s = &m->state;
+    s->ctx = ctx;
+    s->max_tokens = max_tokens;
+    size_t T = (size_t)max_tokens, H = c->dim, QD = (size_t)c->max_heads * c->head_dim;
+    size_t hid = (size_t)c->hidden_dim;
+    if ((size_t)2 * c->moe_hidden_dim > hid) hid = (size_t)2 * c->moe_hidden_dim;
+    if ((size_t)2 * c->shared_hidden_dim > hid) hid = (size_t)2 * c->shared_hidden_dim;
+    size_t K = c->n_experts_active > 0 ? (size_t)c->n_experts_active : 1;
+    s->x = xcalloc(T * H, sizeof(float));
+    s->xb = xcalloc(T * H, sizeof(float));
+    s->q = xcalloc(T * QD, sizeof(float));
+    s->k = xcalloc(T * c->kv_dim, sizeof(float));
+    s->v = xcalloc(T * c->kv_dim, sizeof(float));
+    s->att = xcalloc(T * QD, sizeof(float));
+    s->gate = xcalloc(T * QD, sizeof(float));
+    s->hb = xcalloc(T * hid, sizeof(float));
+    s->hb2 = xcalloc(T * hid, sizeof(float));
+    s->mlp_out = xcalloc(T * H, sizeof(float));
+    s->router_logits = xcalloc(T * (c->n_experts > 0 ? c->n_experts : 1), sizeof(float));
+    s->topk_idx = xcalloc(T * K, sizeof(int));
+    s->topk_w = xcalloc(T * K, sizeof(float));
+    s->expert_in = xcalloc(T * H, sizeof(float));
+    s->expert_out = xcalloc(T * K * H, sizeof(float));
+#ifdef _OPENMP
+    s->n_threads = omp_get_max_threads();
+#else
+    s->n_threads = 1;
+#endif
+    s->scores = xcalloc((size_t)s->n_threads * ctx, sizeof(float));
+    s->logits = xcalloc(T * c->vocab_size, sizeof(float));
+    s->key_cache = xcalloc(c->n_layers, sizeof(float *));
+    s->value_cache = xcalloc(c->n_layers, sizeof(float *));
+    s->cache_rows = xcalloc(c->n_layers, sizeof(int));
+    for (int l = 0; l < c->n_layers; l++) {
+        s->cache_rows[l] = (int)cache_rows_for(c, l, ctx, max_tokens);
+        /* calloc: pages are only touched as the context fills */
+        s->key_cache[l] = xcalloc((size_t)s->cache_rows[l] * c->kv_dim, sizeof(float));
+        s->value_cache[l] = xcalloc((size_t)s->cache_rows[l] * c->kv_dim, sizeof(float));
+    }
+}
+
+static void free_state(Model *m) {
+    RunState *s = &m->state;
+    if (!s->x) return;
+    free(s->x); free(s->xb); free(s->q); free(s->k); free(s->v); free(s->att); free(s->gate);
+    free(s->hb); free(s->hb2); free(s->mlp_out); free(s->router_logits); free(s->topk_idx); free(s->topk_w);
+    free(s->expert_in); free(s->expert_out); free(s->scores); free(s->logits);
+    for (int l = 0; l < m->config.n_layers; l++) { free(s->key_cache[l]); free(s->value_cache[l]); }
+    free(s->key_cache); free(s->value_cache); free(s->cache_rows);
+    memset(s, 0, sizeof *s);
+}
+
+void free_model(Model *m) {
+    free_state(m);
+    if (m->map) munmap(m->map, m->file_size);
+    if (m->fd >= 0) close(m->fd);
+    m->map = NULL;
+    m->fd = -1;
+}
+
+/* ----------------------------------------------------------------------------
+ * the math: small functions named after what they compute (all fp32) */
+
+/* out[t, :] = w * x[t, :] / sqrt(mean(x[t, :]^2) + eps) for n rows of size d */
+static void rmsnorm(float *out, const float *x, const float *w, int n, int d, float eps) {
+    for (int t = 0; t < n; t++) {
+        const float *xt = x + (size_t)t * d;
+        double ss = 0.0;
+        for (int j = 0; j < d; j++) ss += (double)xt[j] * xt[j];
+        float inv = 1.0f / sqrtf((float)(ss / d) + eps);
+        for (int j = 0; j < d; j++) out[(size_t)t * d + j] = w[j] * (xt[j] * inv);
+    }
+}
+
+static float dot_f32(const float *w, const float *x, int n) {
+    double s = 0.0;
+#pragma omp simd reduction(+ : s)
+    for (int j = 0; j < n; j++) s += (double)w[j] * x[j];
+    return s;
+}
+
+static float dot_bf16(const uint16_t *w, const float *x, int n) {
+    double s = 0.0;
+#pragma omp simd reduction(+ : s)
+    for (int j = 0; j < n; j++) s += (double)bf16_to_float(w[j]) * x[j];
+    return s;
+}
+
+/* out[t, i] = sum_j W[row0 + i, j] * x[t, j]   for t < n, i < d;  W is [*, in] (f32 or bf16), read in place.
+ * Each weight row is read once for all n tokens: prefill and verification pay for the weights once. */
+static void matmul(float *out, const float *x, const Tensor *w, int64_t row0, int n, int in, int d) {
+#pragma omp parallel for schedule(static)
+    for (int i = 0; i < d; i++) {
+        int64_t r = row0 + i;
+        if (w->dtype == DT_BF16) {
+            const uint16_t *wr = (const uint16_t *)w->data + r * in;
+            for (int t = 0; t < n; t++) out[(size_t)t * d + i] = dot_bf16(wr, x + (size_t)t * in, in);
+        } else {
+            const float *wr = (const float *)w->data + r * in;
+            for (int t = 0; t < n; t++) out[(size_t)t * d + i] = dot_f32(wr, x + (size_t)t * in, in);
+        }
+    }
+}
+
+static void add_bias(float *x, const Tensor *b, int n, int d) {
+    if (!b->data) return;
+    const float *bb = b->data;
+    for (int t = 0; t < n; t++)
+        for (int i = 0; i < d; i++) x[(size_t)t * d + i] += bb[i];
+}
+
+static float silu(float x) { return x / (1.0f + expf(-x)); }
+static float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+static float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+static void softmax(float *x, int n) {
+    float max = x[0];
+    for (int i = 1; i < n; i++) if (x[i] > max) max = x[i];
+    float sum = 0.0f;
+    for (int i = 0; i < n; i++) { x[i] = expf(x[i] - max); sum += x[i]; }
+    for (int i = 0; i < n; i++) x[i] /= sum;
+}
+
+/* NeoX-style RoPE on the first rd dims of one head vector: pairs (i, i + rd/2); dims >= rd pass through.
+ * cos/sin of (pos * inv_freq[i]) in fp32, times the YaRN attention scaling. */
+static void rope(float *v, int pos, const float *inv_freq, int rd, float scaling) {
+    int half = rd / 2;
+    for (int i = 0; i < half; i++) {
+        float f = (float)pos * inv_freq[i];
+        float c = cosf(f) * scaling, s = sinf(f) * scaling;
+        float a = v[i], b = v[i + half];
+        v[i] = a * c - b * s;
+        v[i + half] = b * c + a * s;
+    }
+}
+
+/* ----------------------------------------------------------------------------
+ * the forward pass, in model order
+ *
+ * forward(m, tokens, n, pos, all_logits): run n tokens at positions pos..pos+n-1 through the model,
+ * appending their K/V to the cache. Returns logits [n, V] (all_logits) or [1, V] for the last token.
+ * Truncating the cache (DFlash rollback) is just calling forward again at a smaller pos. */
+
+static void attention(Model *m, int l, int n, int pos) {
+    Config *c = &m->config;
+    RunState *s = &m->state;
+    int D = c->head_dim, nh = c->n_heads[l], KVD = c->kv_dim, group = nh / c->n_kv_heads;
+    int sliding = c->layer_type[l] == ATTN_SLIDING, rows = s->cache_rows[l];
+    const float scale = 1.0f / sqrtf((float)D);
+    float *kc = s->key_cache[l], *vc = s->value_cache[l];
+#pragma omp parallel for schedule(dynamic)
+    for (int th = 0; th < n * nh; th++) {
+        int t = th / nh, h = th % nh, p = pos + t;
+#ifdef _OPENMP
+        float *sc = s->scores + (size_t)omp_get_thread_num() * s->ctx;
+#else
+        float *sc = s->scores;
+#endif
+        const float *q = s->q + (size_t)t * nh * D + (size_t)h * D;
+        int kvh = h / group;                  /* GQA: contiguous groups of query heads share a kv head */
+        int start = sliding ? p - c->sliding_window + 1 : 0;  /* window: keys p-W+1..p, self included */
+        if (start < 0) start = 0;
+        for (int u = start; u <= p; u++) {
+            const float *k = kc + (size_t)(u % rows) * KVD + (size_t)kvh * D;
+            sc[u - start] = dot_f32(q, k, D) * scale;
+        }
+        softmax(sc, p - start + 1);
+        float *o = s->att + (size_t)t * nh * D + (size_t)h * D;
+        memset(o, 0, D * sizeof(float));
+        for (int u = start; u <= p; u++) {
+            const float *v = vc + (size_t)(u % rows) * KVD + (size_t)kvh * D;
+            float a = sc[u - start];
+            for (int d = 0; d < D; d++) o[d] += a * v[d];
+        }
+    }
+}
+
+/* Sigmoid router: bias picks the experts, the unbiased scores weigh them (renormalised over the top-k). */
+static void route(Model *m, int l, int n) {
+    Config *c = &m->config;
+    RunState *s = &m->state;
+    LayerWeights *w = &m->weights.layers[l];
+    int E = c->n_experts, K = c->n_experts_active;
+    matmul(s->router_logits, s->xb, &w->router, 0, n, c->dim, E);
+    const float *bias = w->expert_bias.data;
+    for (int t = 0; t < n; t++) {
+        float *lg = s->router_logits + (size_t)t * E;
+        int *idx = s->topk_idx + (size_t)t * K;
+        float *wt = s->topk_w + (size_t)t * K;
+        for (int e = 0; e < E; e++) {
+            if (c->router_softcap > 0.0f) lg[e] = tanhf(lg[e] / c->router_softcap) * c->router_softcap;
+            lg[e] = sigmoid(lg[e]);           /* lg now holds the scores */
+        }
+        float sum = 0.0f;
+        for (int j = 0; j < K; j++) {         /* top-k of score + bias, descending; ties -> lower id */
+            int best = -1;
+            float bv = 0.0f;
+            for (int e = 0; e < E; e++) {
+                int taken = 0;
+                for (int i = 0; i < j; i++) taken |= idx[i] == e;
+                if (taken) continue;
+                float v = lg[e] + bias[e];
+                if (best < 0 || v > bv) { best = e; bv = v; }
+            }
+            idx[j] = best;
+            wt[j] = lg[best];
+            sum += wt[j];
+        }
+        for (int j = 0; j < K; j++) wt[j] /= sum;
+    }
+}
+
+/* SwiGLU: out = down(silu(gate(x)) * up(x)); gate and up are consecutive row blocks of gu when fused. */
+static void swiglu_act(float *hb, const float *g, const float *u, int n, int hid, int gstride, int ustride) {
+    for (int t = 0; t < n; t++)
+        for (int i = 0; i < hid; i++)
+            hb[(size_t)t * hid + i] = silu(g[(size_t)t * gstride + i]) * u[(size_t)t * ustride + i];
+}
+
+static void dense_mlp(Model *m, const Tensor *wg, const Tensor *wu, const Tensor *wd, int hid, int n, float *out) {
+    Config *c = &m->config;
+    RunState *s = &m->state;
+    matmul(s->hb, s->xb, wg, 0, n, c->dim, hid);
+    matmul(s->hb2, s->xb, wu, 0, n, c->dim, hid);
+    swiglu_act(s->hb, s->hb, s->hb2, n, hid, hid, hid);
+    matmul(out, s->hb, wd, 0, n, hid, c->dim);
+}
+
+/* MoE: route, run each selected expert once over the tokens that chose it, then sum per token in
+ * ascending expert id (the order transformers' eager experts add them), x scaling, + shared expert. */
+static void moe(Model *m, int l, int n) {
+    Config *c = &m->config;
+    RunState *s = &m->state;
+    LayerWeights *w = &m->weights.layers[l];
+    int H = c->dim, E = c->n_experts, K = c->n_experts_active, I = c->moe_hidden_dim;
+    route(m, l, n);
+    int rows[n > 0 ? n : 1], slots[n > 0 ? n : 1];
+    for (int e = 0; e < E; e++) {
+        int cnt = 0;                          /* gather the tokens routed to expert e */
+        for (int t = 0; t < n; t++)
+            for (int j = 0; j < K; j++)
+                if (s->topk_idx[t * K + j] == e) {
+                    rows[cnt] = t; slots[cnt] = j;
+                    memcpy(s->expert_in + (size_t)cnt * H, s->xb + (size_t)t * H, H * sizeof(float));
+                    cnt++;
+                }
+        if (!cnt) continue;
+        matmul(s->hb, s->expert_in, &w->experts_gate_up, (int64_t)e * 2 * I, cnt, H, 2 * I); /* [cnt, 2I] */
+        swiglu_act(s->hb2, s->hb, s->hb + I, cnt, I, 2 * I, 2 * I);
+        matmul(s->mlp_out, s->hb2, &w->experts_down, (int64_t)e * H, cnt, I, H);             /* [cnt, H] */
+        for (int r = 0; r < cnt; r++) {
+            float wgt = s->topk_w[rows[r] * K + slots[r]];
+            float *dst = s->expert_out + ((size_t)rows[r] * K + slots[r]) * H;
+            for (int i = 0; i < H; i++) dst[i] = s->mlp_out[(size_t)r * H + i] * wgt;
+        }
+    }
+    /* shared expert into mlp_out, then out = routed * scaling + shared */
+    dense_mlp(m, &w->shared_gate, &w->shared_up, &w->shared_down, c->shared_hidden_dim, n, s->mlp_out);
+    for (int t = 0; t < n; t++) {
+        int order[K];                          /* this token's slots sorted by expert id */
+        for (int j = 0; j < K; j++) order[j] = j;
+        for (int a = 1; a < K; a++)
+            for (int b = a; b > 0 && s->topk_idx[t * K + order[b]] < s->topk_idx[t * K + order[b - 1]]; b--) {
+                int tmp = order[b]; order[b] = order[b - 1]; order[b - 1] = tmp;
+            }
+        for (int i = 0; i < H; i++) {
+            float acc = 0.0f;
+            for (int j = 0; j < K; j++) acc += s->expert_out[((size_t)t * K + order[j]) * H + i];
+            s->mlp_out[(size_t)t * H + i] += acc * c->routed_scaling;
+        }
+    }
+}
+
+float *forward(Model *m, const int *tokens, int n, int pos, int all_logits) {
+    Config *c = &m->config;
+    Weights *w = &m->weights;
+    RunState *s = &m->state;
+    int H = c->dim, D = c->head_dim, KVD = c->kv_dim;
+
+    /* token embedding: h = embed[token] (no scaling) */
+    for (int t = 0; t < n; t++) {
+        float *x = s->x + (size_t)t * H;
+        if (w->embed.dtype == DT_BF16) {
+            const uint16_t *row = (const uint16_t *)w->embed.data + (int64_t)tokens[t] * H;
+            for (int i = 0; i < H; i++) x[i] = bf16_to_float(row[i]);
+        } else {
+            memcpy(x, (const float *)w->embed.data + (int64_t)tokens[t] * H, H * sizeof(float));
+        }
+    }
+
+    for (int l = 0; l < c->n_layers; l++) {
+        LayerWeights *lw = &w->layers[l];
+        int nh = c->n_heads[l], QD = nh * D, type = c->layer_type[l], rows = s->cache_rows[l];
+
+        /* ---- attention block ---- */
+        rmsnorm(s->xb, s->x, lw->attn_norm.data, n, H, c->norm_eps);
+        matmul(s->q, s->xb, &lw->wq, 0, n, H, QD);
+        matmul(s->k, s->xb, &lw->wk, 0, n, H, KVD);
+        matmul(s->v, s->xb, &lw->wv, 0, n, H, KVD);
+        add_bias(s->q, &lw->bq, n, QD);
+        add_bias(s->k, &lw->bk, n, KVD);
+        add_bias(s->v, &lw->bv, n, KVD);
+        /* per-head QK-norm (one [D] weight shared by all heads), then RoPE; V is left as is */
+        rmsnorm(s->q, s->q, lw->q_norm.data, n * nh, D, c->norm_eps);
+        rmsnorm(s->k, s->k, lw->k_norm.data, n * c->n_kv_heads, D, c->norm_eps);
+        for (int t = 0; t < n; t++) {
+            for (int h = 0; h < nh; h++)
+                rope(s->q + (size_t)t * QD + (size_t)h * D, pos + t, w->inv_freq[type], c->rotary_dim[type],
+                     c->rope_scaling[type]);
+            for (int h = 0; h < c->n_kv_heads; h++)
+                rope(s->k + (size_t)t * KVD + (size_t)h * D, pos + t, w->inv_freq[type], c->rotary_dim[type],
+                     c->rope_scaling[type]);
+            /* append K/V at the position's row (full layers: the position; sliding: a ring) */
+            size_t row = (size_t)((pos + t) % rows);
+            memcpy(s->key_cache[l] + row * KVD, s->k + (size_t)t * KVD, KVD * sizeof(float));
+            memcpy(s->value_cache[l] + row * KVD, s->v + (size_t)t * KVD, KVD * sizeof(float));
+        }
+        attention(m, l, n, pos);
+        /* softplus output gate from the normed layer input, per head (or per element) */
+        int GD = c->gate_per_head ? nh : QD;
+        matmul(s->gate, s->xb, &lw->wg, 0, n, H, GD);
+        for (int t = 0; t < n; t++)
+            for (int i = 0; i < QD; i++) {
+                float g = softplus(s->gate[(size_t)t * GD + (c->gate_per_head ? i / D : i)]);
+                s->att[(size_t)t * QD + i] *= g;
+            }
+        matmul(s->mlp_out, s->att, &lw->wo, 0, n, QD, H);
+        add_bias(s->mlp_out, &lw->bo, n, H);
+        for (size_t i = 0; i < (size_t)n * H; i++) s->x[i] += s->mlp_out[i];
+
+        /* ---- MLP block: dense SwiGLU or MoE ---- */
+        rmsnorm(s->xb, s->x, lw->ffn_norm.data, n, H, c->norm_eps);
+        if (c->mlp_type[l] == MLP_DENSE) dense_mlp(m, &lw->w_gate, &lw->w_up, &lw->w_down, c->hidden_dim, n, s->mlp_out);
+        else moe(m, l, n);
+        for (size_t i = 0; i < (size_t)n * H; i++) s->x[i] += s->mlp_out[i];
+    }
+
+    /* final norm and lm_head (for every row, or just the last) */
+    int first = all_logits ? 0 : n - 1, rows_out = all_logits ? n : 1;
+    rmsnorm(s->xb, s->x + (size_t)first * H, w->final_norm.data, rows_out, H, c->norm_eps);
+    matmul(s->logits, s->xb, &w->lm_head, 0, rows_out, H, c->vocab_size);
+    return s->logits;
+}
+
+/* ----------------------------------------------------------------------------
+ * backends: the CPU forward above, or the GPU one in laguna.cu */
+
+typedef struct {
+    Model *m;
+    GpuModel *gpu;           /* NULL: CPU */
+} Engine;
+
+static float *engine_forward(Engine *e, const int *tokens, int n, int pos, int all_logits) {
+    if (e->gpu) return gpu_forward(e->gpu, tokens, n, pos, all_logits);
+    return forward(e->m, tokens, n, pos, all_logits);
+}
+
+static int engine_max_tokens(Engine *e) { return e->m->state.max_tokens; }
+
+/* Run a prompt of any length in chunks of max_tokens; returns the last token's logits. */
+static float *prefill(Engine *e, const int *tokens, int n, int pos) {
+    float *logits = NULL;
+    int step = engine_max_tokens(e);
+    for (int i = 0; i < n; i += step) {
+        int k = n - i < step ? n - i : step;
+        logits = engine_forward(e, tokens + i, k, pos + i, 0);
+    }
+    return logits;
+}
+
+/* ----------------------------------------------------------------------------
+ * sampling: greedy, temperature, top-p (nucleus) */
+
+typedef struct {
+    float temperature, topp;
+    unsigned long long rng;
+    int vocab;
+    float *probs;
+    int *idx;
+} Sampler;
+
+static unsigned int random_u32(unsigned long long *state) {
+    *state ^= *state >> 12;  /* xorshift rng */
+    *state ^= *state << 25;
+    *state ^= *state >> 27;
+    return (unsigned int)((*state * 0x2545F4914F6CDD1Dull) >> 32);
+}
+static float random_f32(unsigned long long *state) { return (random_u32(state) >> 8) / 16777216.0f; }
+
+static int argmax(const float *x, int n) {
+    int best = 0;
+    for (int i = 1; i < n; i++) if (x[i] > x[best]) best = i;
+    return best;
+}
+
+static int cmp_desc(const void *a, const void *b, void *arg) {
+    const float *p = arg;
+    float x = p[*(const int *)a], y = p[*(const int *)b];
+    return x < y ? 1 : x > y ? -1 : 0;
+}
+
+static int sample(Sampler *sp, const float *logits) {
+    if (sp->temperature == 0.0f) return argmax(logits, sp->vocab);
+    float *p = sp->probs;
+    for (int i = 0; i < sp->vocab; i++) p[i] = logits[i] / sp->temperature;
+    softmax(p, sp->vocab);
+    float r = random_f32(&sp->rng);
+    if (sp->topp <= 0.0f || sp->topp >= 1.0f) {     /* plain sampling from the full distribution */
+        float cdf = 0.0f;
+        for (int i = 0; i < sp->vocab; i++) { cdf += p[i]; if (r < cdf) return i; }
+        return sp->vocab - 1;
+    }
+    /* top-p: the smallest set of most likely tokens whose mass exceeds topp; drop tiny ones first */
+    int n = 0;
+    const float cutoff = (1.0f - sp->topp) / (sp->vocab - 1);
+    for (int i = 0; i < sp->vocab; i++) if (p[i] >= cutoff) sp->idx[n++] = i;
+    qsort_r(sp->idx, n, sizeof(int), cmp_desc, p);
+    float mass = 0.0f;
+    int last = n - 1;
+    for (int i = 0; i < n; i++) { mass += p[sp->idx[i]]; if (mass > sp->topp) { last = i; break; } }
+    float cdf = 0.0f;
+    r *= mass;
+    for (int i = 0; i <= last; i++) { cdf += p[sp->idx[i]]; if (r < cdf) return sp->idx[i]; }
+    return sp->idx[last];
+}
+
+/* ----------------------------------------------------------------------------
+ * generation, scoring and chat */
+
+typedef struct {
+    const char *model_path;
+    const char *prompt;
+    const char *prompt_file;
+    const char *system;
+    const char *score_file;
+    const char *logits_out;
+    const char *tokenize_text;
+    const char *mode;
+    int steps, ctx, seed_set, raw, cpu, ids_mode, think, chunk, quiet;
+    float temperature, topp;
+    unsigned long long seed;
+} Options;
+
+static int is_eos(const Config *c, int tok) {
+    for (int i = 0; i < c->n_eos; i++) if (c->eos_ids[i] == tok) return 1;
+    return 0;
+}
+
+static char *read_file(const char *path, size_t *len) {
+    FILE *f = fopen(path, "rb");
+    if (!f) die("cannot open %s: %s", path, strerror(errno));
+    size_t cap = 1 << 16, n = 0;
+    char *buf = xcalloc(cap, 1);
+    size_t r;
+    while ((r = fread(buf + n, 1, cap - n - 1, f)) > 0) {
+        n += r;
+        if (n + 1 == cap) { cap *= 2; buf = realloc(buf, cap); if (!buf) die("out of memory"); }
+    }
+    fclose(f);
+    buf[n] = 0;
+    if (len) *len = n;
+    return buf;
+}
+
+/* Whitespace-separated token ids, each checked against the vocabulary. */
+static int *parse_ids(const char *text, int vocab, int *n_out, const char *what) {
+    int cap = 64, n = 0;
+    int *ids = xcalloc(cap, sizeof(int));
+    const char *s = text;
+    while (*s) {
+        while (*s && isspace((unsigned char)*s)) s++;
+        if (!*s) break;
+        char *end;
+        errno = 0;
+        long v = strtol(s, &end, 10);
+        if (end == s || (*end && !isspace((unsigned char)*end)))
+            die("%s: '%.20s' is not a token id\n  hint: give whitespace-separated integers", what, s);
+        if (v < 0 || v >= vocab || errno)
+            die("%s: token id %ld is out of range (the vocabulary has %d ids, 0..%d)", what, v, vocab, vocab - 1);
+        if (n == cap) { cap *= 2; ids = realloc(ids, cap * sizeof(int)); if (!ids) die("out of memory"); }
+        ids[n++] = (int)v;
+        s = end;
+    }
+    *n_out = n;
+    return ids;
+}
+
+static void check_fits(int n_prompt, int ctx) {
+    if (n_prompt > ctx) die("prompt (%d tokens) exceeds the context size (%d tokens)\n  hint: shorten the prompt "
+                            "or raise -c (up to the model's maximum)", n_prompt, ctx);
+}
+
+/* --score: one teacher-forced pass; mean NLL and perplexity of tokens 2..n, logits optionally saved */
+static int run_score(Engine *e, const Options *o) {
+    Config *c = &e->m->config;
+    char *text = read_file(o->score_file, NULL);
+    int n;
+    int *ids = parse_ids(text, c->vocab_size, &n, o->score_file);
+    free(text);
+    if (n < 2) die("%s: --score needs at least 2 token ids", o->score_file);
+    check_fits(n, e->m->state.ctx);
+    FILE *lf = NULL;
+    if (o->logits_out && !(lf = fopen(o->logits_out, "wb"))) die("cannot write %s: %s", o->logits_out, strerror(errno));
+    double nll = 0.0;
+    int step = engine_max_tokens(e), V = c->vocab_size;
+    double t0 = now_s();
+    for (int i = 0; i < n; i += step) {
+        int k = n - i < step ? n - i : step;
+        float *logits = engine_forward(e, ids + i, k, i, 1);
+        if (lf && fwrite(logits, sizeof(float), (size_t)k * V, lf) != (size_t)k * V) die("write to %s failed", o->logits_out);
+        for (int r = 0; r < k; r++) {
+            int t = i + r;                 /* row t predicts token t+1 */
+            if (t + 1 >= n) break;
+            const float *lg = logits + (size_t)r * V;
+            float max = lg[argmax(lg, V)];
+            double sum = 0.0;
+            for (int j = 0; j < V; j++) sum += exp((double)lg[j] - max);
+            nll += -((double)lg[ids[t + 1]] - max - log(sum));
+        }
+    }
+    double dt = now_s() - t0;
+    if (lf) fclose(lf);
+    nll /= (n - 1);
+    printf("tokens %d  mean_nll %.6f  perplexity %.4f\n", n, nll, exp(nll));
+    fprintf(stderr, "scored %d tokens in %.2f s (%.1f tok/s)\n", n, dt, n / dt);
+    free(ids);
+    return 0;
+}
+
+typedef struct {
+    Tokenizer *tok;          /* NULL for a file without a tokenizer (ids only) */
+    TokenDecoder dec;
+    int dim;                 /* showing reasoning: dimmed until </think> (on a terminal) */
+    int think_end;           /* id of </think> */
+} Printer;
+
+static void print_token(Printer *p, int id, int ids_mode) {
+    if (ids_mode || !p->tok) { printf("%d ", id); fflush(stdout); return; }
+    size_t len;
+    const char *text = tokenizer_decode_next(&p->dec, id, &len);
+    fwrite(text, 1, len, stdout);
+    if (p->dim && id == p->think_end) { fputs("\033[0m", stdout); p->dim = 0; }
+    fflush(stdout);
+}
+
+/* Generate up to `steps` tokens after a prompt already in the cache; returns the count. */
+static int generate(Engine *e, Sampler *sp, Printer *pr, const float *logits, int pos, int steps, int ids_mode,
+                    int stop_id, int *out_ids, double *decode_s) {
+    Config *c = &e->m->config;
+    int n = 0;
+    double t0 = now_s();
+    while (n < steps && pos < e->m->state.ctx) {
+        int next = sample(sp, logits);
+        if (out_ids) out_ids[n] = next;
+        n++;
+        if (is_eos(c, next) || next == stop_id) break;
+        print_token(pr, next, ids_mode);
+        logits = engine_forward(e, &next, 1, pos, 0);
+        pos++;
+    }
+    *decode_s = now_s() - t0;
+    return n;
+}
+
+static void report(int n_prompt, double prefill_s, int n_gen, double decode_s) {
+    fprintf(stderr, "\nprompt: %d tokens, %.1f tok/s | generated: %d tokens, %.2f tok/s\n", n_prompt,
+            prefill_s > 0 ? n_prompt / prefill_s : 0.0, n_gen, decode_s > 0 && n_gen > 1 ? (n_gen - 1) / decode_s : 0.0);
+}
+
+/* ----------------------------------------------------------------------------
+ * main */
+
+static void usage(FILE *f) {
+    fprintf(f,
+        "usage: laguna MODEL.bin [options] \"prompt\"\n"
+        "\n"
+        "  -n N          tokens to generate (default 256)\n"
+        "  -t T          temperature; 0 = greedy (default 0.6)\n"
+        "  -p P          top-p for sampling (default 0.95)\n"
+        "  -s SEED       random seed (default: time)\n"
+        "  -c N          context length (default: the model's maximum, lowered to fit memory)\n"
+        "  -i FILE       read the prompt from a file\n"
+        "  -y TEXT       system prompt (default: the template's)\n"
+        "  -m MODE       generate (default) or chat (interactive, multi-turn, on stdin)\n"
+        "  --think       reasoning on (the template's <think>); off by default\n"
+        "  --raw         send the prompt as-is (BOS + text), not through the chat template\n"
+        "  --ids         the prompt is whitespace-separated token ids; print generated ids\n"
+        "  --cpu         use the CPU even when a GPU is available\n"
+        "  --chunk N     most tokens per forward pass (prefill chunk; default 64 on the CPU)\n"
+        "  --tokenize TEXT        print the token ids of TEXT (no BOS) and exit\n"
+        "  --score IDS_FILE       teacher-forced pass over the ids: mean NLL and perplexity of tokens 2..n\n"
+        "  --logits OUT           with --score: write float32 logits [n][vocab] to OUT\n"
+        "  -q            quiet: no load or speed lines\n"
+        "  -h, --help    this help\n");
+}
+
+static void parse_args(int argc, char **argv, Options *o) {
+    memset(o, 0, sizeof *o);
+    o->steps = 256;
+    o->temperature = 0.6f;
+    o->topp = 0.95f;
+    o->mode = "generate";
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        int has_next = i + 1 < argc;
+#define NEXT() (has_next ? argv[++i] : (die("%s needs a value (see --help)", a), (char *)NULL))
+        if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(stdout); exit(0); }
+        else if (!strcmp(a, "-n")) o->steps = atoi(NEXT());
+        else if (!strcmp(a, "-t")) o->temperature = (float)atof(NEXT());
+        else if (!strcmp(a, "-p")) o->topp = (float)atof(NEXT());
+        else if (!strcmp(a, "-s")) { o->seed = strtoull(NEXT(), NULL, 10); o->seed_set = 1; }
+        else if (!strcmp(a, "-c")) o->ctx = atoi(NEXT());
+        else if (!strcmp(a, "-i")) o->prompt_file = NEXT();
+        else if (!strcmp(a, "-y")) o->system = NEXT();
+        else if (!strcmp(a, "-m")) o->mode = NEXT();
+        else if (!strcmp(a, "--think")) o->think = 1;
+        else if (!strcmp(a, "--raw")) o->raw = 1;
+        else if (!strcmp(a, "--ids")) o->ids_mode = 1;
+        else if (!strcmp(a, "--cpu")) o->cpu = 1;
+        else if (!strcmp(a, "--chunk")) o->chunk = atoi(NEXT());
+        else if (!strcmp(a, "--tokenize")) o->tokenize_text = NEXT();
+        else if (!strcmp(a, "--score")) o->score_file = NEXT();
+        else if (!strcmp(a, "--logits")) o->logits_out = NEXT();
+        else if (!strcmp(a, "-q")) o->quiet = 1;
+        else if (a[0] == '-' && a[1]) die("unknown option %s (see --help)", a);
+        else if (!o->model_path) o->model_path = a;
+        else if (!o->prompt) o->prompt = a;
+        else die("unexpected argument '%s' (quote the prompt)", a);
+#undef NEXT
+    }
+    if (!o->model_path) { usage(stderr); exit(1); }
+    if (o->steps < 0) die("-n must be >= 0");
+    if (o->temperature < 0) die("-t must be >= 0");
+    if (o->topp < 0 || o->topp > 1) die("-p must be in [0, 1]");
+    if (o->ctx < 0) die("-c must be > 0");
+    if (o->chunk < 0) die("--chunk must be > 0");
+    if (strcmp(o->mode, "generate") && strcmp(o->mode, "chat")) die("-m must be generate or chat");
+    if (o->logits_out && !o->score_file) die("--logits goes with --score");
+}
+
+/* Choose the context: the model's maximum by default, lowered when the KV cache would not fit. */
+static int choose_ctx(const Config *c, const Options *o, int max_tokens) {
+    if (o->ctx > c->max_seq_len)
+        die("-c %d exceeds the model's maximum context (%d tokens)", o->ctx, c->max_seq_len);
+    if (o->ctx) return o->ctx;
+    int ctx = c->max_seq_len;
+    uint64_t mem = (uint64_t)sysconf(_SC_PHYS_PAGES) * (uint64_t)sysconf(_SC_PAGESIZE);
+    uint64_t budget = mem / 2;
+    while (ctx > 1024 && kv_cache_bytes(c, ctx, max_tokens) > budget) ctx /= 2;
+    if (ctx != c->max_seq_len && !o->quiet)
+        fprintf(stderr, "note: context lowered from %d to %d tokens so the KV cache fits in memory (-c to choose)\n",
+                c->max_seq_len, ctx);
+    return ctx;
+}
+
+static int *encode_or_die(Tokenizer *tok, const char *text, int *n) {
+    int *ids = NULL;
+    char err[512];
+    if (tokenizer_encode(tok, text, strlen(text), &ids, n, err, sizeof err) != 0) die("%s", err);
+    return ids;
+}
+
+static int chat_loop(Engine *e, Sampler *sp, Printer *pr, const Options *o);
+
+#ifndef TESTING
+int main(int argc, char **argv) {
+    Options o;
+    parse_args(argc, argv, &o);
+    static Model model;
+    char err[1024];
+    if (load_model(&model, o.model_path, err, sizeof err)) die("%s", err);
+    Config *c = &model.config;
+
+    Tokenizer tok;
+    int have_tok = 0;
+    const TensorEntry *te = find_tensor(&model, "tokenizer");
+    if (te) {
+        if (tokenizer_init(&tok, (const unsigned char *)model.map + te->offset, (uint64_t)te->shape[0], err,
+                           sizeof err) != 0)
+            die("%s", err);
+        if (tokenizer_vocab_size(&tok) > c->vocab_size)
+            die("the tokenizer has %d ids but the model only %d\n  hint: re-run export.py", tokenizer_vocab_size(&tok),
+                c->vocab_size);
+        have_tok = 1;
+    }
+    if (o.tokenize_text) {
+        if (!have_tok) die("%s has no tokenizer\n  hint: export it from a directory with tokenizer.json", o.model_path);
+        int n;
+        int *ids = encode_or_die(&tok, o.tokenize_text, &n);
+        for (int i = 0; i < n; i++) printf(i ? " %d" : "%d", ids[i]);
+        printf("\n");
+        free(ids);
+        tokenizer_free(&tok);
+        free_model(&model);
+        return 0;
+    }
+
+    int max_tokens = o.chunk ? o.chunk : 64;
+    int ctx = choose_ctx(c, &o, max_tokens);
+    if (max_tokens > ctx) max_tokens = ctx;
+    Engine eng = {&model, NULL};
+    char info[256] = "";
+    if (!o.cpu && gpu_available(info, sizeof info)) {
+        eng.gpu = gpu_init(&model, ctx, max_tokens, err, sizeof err);
+        if (!eng.gpu) die("%s", err);
+    }
+    alloc_state(&model, ctx, max_tokens);   /* the CPU state also sizes the chunking for the GPU */
+    if (!o.quiet)
+        fprintf(stderr, "laguna: %s | %d layers, vocab %d, context %d | %s\n", o.model_path, c->n_layers,
+                c->vocab_size, ctx, eng.gpu ? info : "CPU");
+
+    int rc = 0;
+    if (o.score_file) {
+        rc = run_score(&eng, &o);
+    } else {
+        Sampler sp = {o.temperature, o.topp, o.seed_set ? o.seed : (unsigned long long)time(NULL), c->vocab_size,
+                      xcalloc(c->vocab_size, sizeof(float)), xcalloc(c->vocab_size, sizeof(int))};
+        if (sp.rng == 0) sp.rng = 0x9E3779B97F4A7C15ull;
+        Printer pr = {0};
+        pr.tok = have_tok ? &tok : NULL;
+        if (have_tok) {
+            tokenizer_decoder_init(&pr.dec, &tok);
+            pr.think_end = tokenizer_token_id(&tok, "</think>");
+        }
+        if (!strcmp(o.mode, "chat")) {
+            if (!have_tok) die("chat needs a tokenizer in the model file");
+            rc = chat_loop(&eng, &sp, &pr, &o);
+        } else {
+            char *prompt_buf = o.prompt_file ? read_file(o.prompt_file, NULL) : NULL;
+            const char *prompt = prompt_buf ? prompt_buf : o.prompt ? o.prompt : "";
+            int n = 0, *ids = NULL;
+            if (o.ids_mode) {
+                ids = parse_ids(prompt, c->vocab_size, &n, "prompt");
+            } else {
+                if (!have_tok) die("%s has no tokenizer: give the prompt as token ids with --ids", o.model_path);
+                if (o.raw) {
+                    int m = 0, *body = encode_or_die(&tok, prompt, &m);
+                    ids = xcalloc(m + 1, sizeof(int));
+                    if (c->bos_id >= 0) ids[n++] = c->bos_id;
+                    memcpy(ids + n, body, m * sizeof(int));
+                    n += m;
+                    free(body);
+                } else {
+                    ChatMessage msgs[2];
+                    int nm = 0;
+                    if (o.system) msgs[nm++] = (ChatMessage){"system", o.system, NULL};
+                    msgs[nm++] = (ChatMessage){"user", prompt, NULL};
+                    char *text = tokenizer_render_chat(&tok, msgs, nm, 1, o.think, err, sizeof err);
+                    if (!text) die("%s", err);
+                    ids = encode_or_die(&tok, text, &n);
+                    free(text);
+                }
+            }
+            if (n == 0) die("empty prompt\n  hint: give a prompt, or use --raw with a BOS-only start");
+            check_fits(n, ctx);
+            if (o.think && !o.raw && !o.ids_mode && isatty(1)) { fputs("\033[2m", stdout); pr.dim = 1; }
+            double t0 = now_s();
+            float *logits = prefill(&eng, ids, n, 0);
+            double prefill_s = now_s() - t0, decode_s = 0;
+            int steps = o.steps < ctx - n ? o.steps : ctx - n;
+            int n_gen = generate(&eng, &sp, &pr, logits, n, steps, o.ids_mode, -1, NULL, &decode_s);
+            if (pr.tok) { size_t len; const char *rest = tokenizer_decode_flush(&pr.dec, &len); fwrite(rest, 1, len, stdout); }
+            if (pr.dim) fputs("\033[0m", stdout);
+            printf("\n");
+            if (!o.quiet) report(n, prefill_s, n_gen, decode_s);
+            free(ids);
+            free(prompt_buf);
+        }
+        if (pr.tok) tokenizer_decoder_free(&pr.dec);
+        free(sp.probs);
+        free(sp.idx);
+    }
+    if (eng.gpu) gpu_free(eng.gpu);
+    if (have_tok) tokenizer_free(&tok);
+    free_model(&model);
+    return rc;
+}
+#endif
+
+/* -m chat: a multi-turn conversation on stdin; the KV cache is kept between turns, so each turn only
+ * prefills what the template adds. Each reply stops at </assistant> or EOS. */
+static int chat_loop(Engine *e, Sampler *sp, Printer *pr, const Options *o) {
+    Config *c = &e->m->config;
+    Tokenizer *tok = pr->tok;
+    int ctx = e->m->state.ctx;
+    int *cache = xcalloc(ctx, sizeof(int));   /* the tokens in the KV cache */
+    int n_cache = 0;
+    int cap = 16, nm = 0;
+    ChatMessage *msgs = xcalloc(cap, sizeof(ChatMessage));
+    if (o->system) msgs[nm++] = (ChatMessage){"system", strdup(o->system), NULL};
+    char line[1 << 16];
+    int end_id = tokenizer_token_id(tok, "</assistant>");
+    int *reply = xcalloc(o->steps + 1, sizeof(int));
+    for (;;) {
+        fprintf(stderr, "\n> ");
+        if (!fgets(line, sizeof line, stdin)) break;
+        size_t L = strlen(line);
+        while (L && (line[L - 1] == '\n' || line[L - 1] == '\r')) line[--L] = 0;
+        if (!L) continue;
+        if (nm + 2 >= cap) { cap *= 2; msgs = realloc(msgs, cap * sizeof(ChatMessage)); if (!msgs) die("out of memory"); }
+        msgs[nm++] = (ChatMessage){"user", strdup(line), NULL};
+        char err[512];
+        char *text = tokenizer_render_chat(tok, msgs, nm, 1, o->think, err, sizeof err);
+        if (!text) die("%s", err);
+        int n, *ids = encode_or_die(tok, text, &n);
+        free(text);
+        /* reuse the cached prefix: the conversation so far renders to the same tokens */
+        int same = 0;
+        while (same < n && same < n_cache && ids[same] == cache[same]) same++;
+        /* a sliding-window ring only survives a short rollback: otherwise prefill from the start */
+        if (n_cache - same >= e->m->state.max_tokens) same = 0;
+        if (same == n) same = n - 1;          /* always run at least the last token for its logits */
+        if (o->think && isatty(1)) { fputs("\033[2m", stdout); pr->dim = 1; }
+        if (n >= ctx) { fprintf(stderr, "(the conversation is longer than the context, %d tokens)\n", ctx); free(ids); break; }
+        float *logits = prefill(e, ids + same, n - same, same);
+        memcpy(cache, ids, n * sizeof(int));
+        n_cache = n;
+        double dt;
+        int steps = o->steps < ctx - n ? o->steps : ctx - n;
+        int g = generate(e, sp, pr, logits, n, steps, 0, end_id, reply, &dt);
+        size_t len;
+        const char *rest = tokenizer_decode_flush(&pr->dec, &len);
+        fwrite(rest, 1, len, stdout);
+        printf("\n");
+        fflush(stdout);
+        /* the reply (without its stop token) becomes an assistant turn of the history */
+        int body = g;
+        if (g > 0 && (is_eos(c, reply[g - 1]) || reply[g - 1] == end_id)) body--;
+        if (pr->dim) { fputs("\033[0m", stdout); pr->dim = 0; }
+        char *reply_text = tokenizer_decode(tok, reply, body, NULL);
+        /* with reasoning on, the reply is "reasoning</think>content": the template wants them apart */
+        char *reasoning = NULL, *split = o->think ? strstr(reply_text, "</think>") : NULL;
+        if (split) {
+            *split = 0;
+            reasoning = reply_text;
+            reply_text = strdup(split + strlen("</think>"));
+        }
+        msgs[nm++] = (ChatMessage){"assistant", reply_text, reasoning};
+        memcpy(cache + n, reply, body * sizeof(int));
+        n_cache = n + body;
+        free(ids);
+    }
+    for (int i = 0; i < nm; i++) { free((char *)msgs[i].content); free((char *)msgs[i].reasoning); }
+    free(msgs);
+    free(reply);
+    free(cache);
+    return 0;
+}
+
+/* ----------------------------------------------------------------------------
+ * a CPU-only build: no GPU backend */
+#ifndef LAGUNA_CUDA
+int gpu_available(char *info, size_t infosz) { if (infosz) info[0] = 0; return 0; }
+GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err, size_t errsz) {
+    (void)m; (void)ctx; (void)max_tokens;
+    snprintf(err, errsz, "this laguna was built without CUDA\n  hint: build with `make cuda`");
+    return NULL;
+}
+float *gpu_forward(GpuModel *g, const int *tokens, int n, int pos, int all_logits) {
+    (void)g; (void)tokens; (void)n; (void)pos; (void)all_logits;
+    return NULL;
+}
+void gpu_free(GpuModel *g) { (void)g; }
+#endif

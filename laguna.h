@@ -1,0 +1,167 @@
+/* laguna.h -- the structs shared by laguna.c (CPU reference) and laguna.cu (GPU backend).
+ *
+ * The model file (written by export.py, read by load_model in laguna.c), little-endian:
+ *   [0, 256)      FileHeader
+ *   config        text, one "key=value" per line (per-layer lists space-separated)
+ *   directory     n_tensors TensorEntry records of 128 bytes
+ *   tensors       raw data, each at a 256-byte aligned absolute offset
+ */
+#ifndef LAGUNA_H
+#define LAGUNA_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define LAGUNA_MAGIC 0x414E474Cu /* "LGNA" */
+#define LAGUNA_VERSION 1
+#define LAGUNA_ALIGN 256
+#define LAGUNA_MAX_LAYERS 1024
+#define LAGUNA_MAX_EOS 16
+
+enum { DT_F32 = 0, DT_BF16 = 1, DT_U8 = 2 };
+enum { KIND_MODEL = 0, KIND_DRAFTER = 1 };
+enum { ATTN_FULL = 0, ATTN_SLIDING = 1 };  /* also the index of the rope tables */
+enum { MLP_DENSE = 0, MLP_SPARSE = 1 };
+
+typedef struct {
+    uint32_t magic;          /* LAGUNA_MAGIC */
+    uint32_t version;        /* LAGUNA_VERSION */
+    uint32_t kind;           /* KIND_MODEL or KIND_DRAFTER */
+    uint32_t alignment;      /* LAGUNA_ALIGN */
+    uint64_t file_size;      /* total bytes: a shorter file is truncated */
+    uint64_t config_offset;  /* the key=value text block */
+    uint64_t config_size;
+    uint64_t dir_offset;     /* the tensor directory */
+    uint64_t n_tensors;
+    uint8_t reserved[256 - 56];
+} FileHeader;
+
+typedef struct {
+    char name[80];           /* NUL-terminated, e.g. "model.layers.3.self_attn.q_proj.weight" */
+    uint32_t dtype;          /* DT_* */
+    uint32_t ndim;           /* 1..4 */
+    int64_t shape[4];        /* row-major, shape[0] outermost */
+    uint64_t offset;         /* absolute byte offset of the data */
+} TensorEntry;
+
+/* A tensor inside the mapped file: weights are read in place (bf16 or f32), never copied. */
+typedef struct {
+    const void *data;
+    int dtype;
+    int ndim;
+    int64_t shape[4];
+} Tensor;
+
+typedef struct {
+    int vocab_size;          /* rows of the embedding and lm_head */
+    int dim;                 /* hidden size H (2048) */
+    int n_layers;            /* 40 */
+    int n_kv_heads;          /* 8 */
+    int head_dim;            /* D (128) */
+    int n_heads[LAGUNA_MAX_LAYERS];    /* query heads per layer (48 full / 64 sliding on XS) */
+    int layer_type[LAGUNA_MAX_LAYERS]; /* ATTN_FULL / ATTN_SLIDING */
+    int mlp_type[LAGUNA_MAX_LAYERS];   /* MLP_DENSE / MLP_SPARSE */
+    int sliding_window;      /* W: keys p-W+1..p (512) */
+    int hidden_dim;          /* dense SwiGLU intermediate (8192) */
+    int moe_hidden_dim;      /* per routed expert (512) */
+    int shared_hidden_dim;   /* shared expert (512) */
+    int n_experts;           /* 256 */
+    int n_experts_active;    /* top-k (8) */
+    float routed_scaling;    /* x2.5 on the routed sum */
+    float router_softcap;    /* tanh cap on router logits, 0 = off */
+    float norm_eps;          /* RMSNorm epsilon */
+    int max_seq_len;         /* max_position_embeddings */
+    int gate_per_head;       /* 1: g_proj [nh, H]; 0: per element [nh*D, H] */
+    int attention_bias;      /* q/k/v/o biases present */
+    int tied_embeddings;     /* lm_head is the embedding */
+    int bos_id, pad_id, mask_id;
+    int eos_ids[LAGUNA_MAX_EOS];
+    int n_eos;
+    int rotary_dim[2];       /* per attention type: dims rotated (64 full / 128 sliding) */
+    float rope_scaling[2];   /* per attention type: cos/sin multiplier (YaRN attention factor) */
+    /* derived */
+    int max_heads;           /* max over layers of n_heads */
+    int kv_dim;              /* n_kv_heads * head_dim */
+} Config;
+
+typedef struct {
+    Tensor attn_norm;        /* [H] f32 input_layernorm */
+    Tensor wq, wk, wv;       /* [nh*D, H], [KV*D, H], [KV*D, H] */
+    Tensor bq, bk, bv, bo;   /* optional biases (attention_bias) */
+    Tensor q_norm, k_norm;   /* [D] f32, shared by all heads */
+    Tensor wg;               /* [nh, H] per-head gate (or [nh*D, H]) */
+    Tensor wo;               /* [H, nh*D] */
+    Tensor ffn_norm;         /* [H] f32 post_attention_layernorm */
+    /* dense MLP (MLP_DENSE) */
+    Tensor w_gate, w_up;     /* [F, H] */
+    Tensor w_down;           /* [H, F] */
+    /* MoE (MLP_SPARSE) */
+    Tensor router;           /* [E, H] */
+    Tensor expert_bias;      /* [E] f32 e_score_correction_bias: selection only */
+    Tensor experts_gate_up;  /* [E, 2*I, H]: per expert gate rows then up rows */
+    Tensor experts_down;     /* [E, H, I] */
+    Tensor shared_gate, shared_up; /* [S, H] */
+    Tensor shared_down;      /* [H, S] */
+} LayerWeights;
+
+typedef struct {
+    Tensor embed;            /* [V, H] */
+    LayerWeights layers[LAGUNA_MAX_LAYERS];
+    Tensor final_norm;       /* [H] f32 */
+    Tensor lm_head;          /* [V, H] */
+    const float *inv_freq[2];/* per attention type: [rotary_dim/2] */
+} Weights;
+
+/* Everything one forward pass over up to max_tokens tokens needs (CPU path). */
+typedef struct {
+    int ctx;                 /* positions the KV cache holds */
+    int max_tokens;          /* most tokens one forward() call takes (prefill chunk, verify block) */
+    float *x;                /* [T, H] residual stream */
+    float *xb;               /* [T, H] normed input of the current block */
+    float *q;                /* [T, max_heads*D] */
+    float *k, *v;            /* [T, KV*D] */
+    float *att;              /* [T, max_heads*D] attention output (gated) */
+    float *gate;             /* [T, max_heads*D] softplus gate */
+    float *hb, *hb2;         /* [T, max(F, 2*I, S)] MLP hidden */
+    float *mlp_out;          /* [T, H] */
+    float *router_logits;    /* [T, E] */
+    int *topk_idx;           /* [T, k] selected experts */
+    float *topk_w;           /* [T, k] their weights */
+    float *expert_in;        /* [T, H] tokens gathered for one expert */
+    float *expert_out;       /* [T, k, H] per (token, slot) expert output */
+    float *scores;           /* [n_threads, ctx] attention scores scratch */
+    float *logits;           /* [T, V] */
+    float **key_cache;       /* per layer: [rows, KV*D], K after k_norm and RoPE */
+    float **value_cache;     /* per layer: [rows, KV*D] */
+    int *cache_rows;         /* per layer: ctx (full) or a ring of W + max_tokens - 1 (sliding) */
+    int n_threads;
+} RunState;
+
+typedef struct {
+    Config config;
+    Weights weights;
+    RunState state;
+    /* the mapped file */
+    int fd;
+    void *map;
+    uint64_t file_size;
+    const TensorEntry *dir;
+    uint64_t n_tensors;
+    const char *path;
+} Model;
+
+/* laguna.c */
+int load_model(Model *m, const char *path, char *err, size_t errsz);
+void free_model(Model *m);
+const TensorEntry *find_tensor(const Model *m, const char *name);
+float bf16_to_float(uint16_t b);
+
+/* laguna.cu (GPU backend); a CPU-only build provides stubs that report no GPU */
+typedef struct GpuModel GpuModel;
+int gpu_available(char *info, size_t infosz);
+GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err, size_t errsz);
+/* forward over n tokens at positions pos..pos+n-1; returns host logits [n or 1, V] */
+float *gpu_forward(GpuModel *g, const int *tokens, int n, int pos, int all_logits);
+void gpu_free(GpuModel *g);
+
+#endif

@@ -1,0 +1,222 @@
+#!/usr/bin/env python3
+"""Make the golden fixtures: tiny random Laguna checkpoints from the official transformers implementation.
+
+    python3 test/make_fixtures.py            # needs torch and transformers >= 5.17 (CPU is enough)
+
+For each fixture, test/data/fixtures/NAME/ holds
+    hf/            the checkpoint, saved with save_pretrained (the real on-disk tensor names) + generation_config
+    prompt.txt     prompt token ids
+    greedy.txt     transformers' greedy continuation (full forward each step, stops before an EOS id)
+    score.txt      the ids of the teacher-forced sequence
+    logits.npy     float32 reference logits for the rows in rows.npy of score.txt
+    rows.npy       which rows of the logits are kept (all of them for short sequences)
+    ref.json       rope tables (inv_freq as hex) and attention scaling, as transformers computed them
+plus test/data/fixtures/rope_cases.json: transformers' rope tables for config variants (config drift).
+
+Fixtures run in fp32 math with eager attention and eager experts (ascending expert id summation).
+Norm weights and the correction bias are randomized; weights are scaled so attention and routing are sharp.
+"""
+import json
+import os
+import shutil
+import sys
+
+import numpy as np
+import torch
+import transformers
+from transformers import LagunaConfig, LagunaForCausalLM
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+OUT = os.path.join(HERE, "data", "fixtures")
+TOK_DIR = os.path.join(HERE, "data", "tokenizer")
+
+XS2_FULL = {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+            "beta_slow": 1.0, "beta_fast": 64.0, "attention_factor": 1.0, "partial_rotary_factor": 0.5}
+XS21_FULL = dict(XS2_FULL, original_max_position_embeddings=8192, attention_factor=1.3465735902799727)
+SLIDING = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}
+
+
+def base_config(**kw):
+    c = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, num_attention_heads_per_layer=[4, 8, 8, 8],
+             layer_types=["full_attention"] + ["sliding_attention"] * 3, mlp_layer_types=["dense"] + ["sparse"] * 3,
+             sliding_window=8, moe_intermediate_size=32, shared_expert_intermediate_size=24, num_experts=8,
+             num_experts_per_tok=3, moe_routed_scaling_factor=2.5, gating=True, rms_norm_eps=1e-6,
+             max_position_embeddings=131072, bos_token_id=2, eos_token_id=[2, 24], pad_token_id=9,
+             tie_word_embeddings=False,
+             rope_parameters={"full_attention": dict(XS2_FULL), "sliding_attention": dict(SLIDING)})
+    c.update(kw)
+    return c
+
+
+FIXTURES = {
+    # XS.2 rope (attention factor 1.0, original 4096), fp32, the default 1 full : 3 sliding pattern, 8 layers so
+    # there are two full layers and six MoE layers, heads differ between full and sliding layers
+    "xs2_f32": dict(cfg=base_config(num_hidden_layers=8, num_attention_heads_per_layer=[4, 8, 8, 8] * 2,
+                                    layer_types=(["full_attention"] + ["sliding_attention"] * 3) * 2,
+                                    mlp_layer_types=["dense"] + ["sparse"] * 7),
+                    dtype="f32", prompt_len=40, gen=24),
+    # XS-2.1 rope (attention factor 1.3466, original 8192) in bf16, with the synthetic tokenizer and chat template
+    "xs21_bf16": dict(cfg=base_config(vocab_size=4096, rope_parameters={"full_attention": dict(XS21_FULL),
+                                                                       "sliding_attention": dict(SLIDING)}),
+                      dtype="bf16", prompt_len=40, gen=24, tokenizer=True),
+    # a layer pattern that is not the default, per-element gating, attention biases, router softcapping,
+    # dense layers in the middle, GQA groups of 1, 2 and 3
+    "variant": dict(cfg=base_config(num_hidden_layers=6, num_key_value_heads=2,
+                                    num_attention_heads_per_layer=[2, 6, 4, 4, 6, 2],
+                                    layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                                                 "sliding_attention", "full_attention", "sliding_attention"],
+                                    mlp_layer_types=["sparse", "dense", "sparse", "sparse", "dense", "sparse"],
+                                    gating="per-element", attention_bias=True, moe_router_logit_softcapping=3.0,
+                                    num_experts=16, num_experts_per_tok=4, moe_routed_scaling_factor=1.5,
+                                    sliding_window=5,
+                                    rope_parameters={"full_attention": dict(XS21_FULL, partial_rotary_factor=0.25),
+                                                     "sliding_attention": dict(SLIDING, rope_theta=5000.0)}),
+                    dtype="f32", prompt_len=33, gen=24),
+    # a long run: thousands of positions, many trips around the sliding ring
+    "long": dict(cfg=base_config(vocab_size=256, sliding_window=16,
+                                 rope_parameters={"full_attention": dict(XS21_FULL),
+                                                  "sliding_attention": dict(SLIDING)}),
+                 dtype="f32", prompt_len=3000, gen=0, keep_rows="sparse"),
+}
+
+
+def randomize(model, cfg, gen):
+    """Non-trivial norms and bias; weights scaled so activations are O(1) and softmaxes are sharp."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                lo, hi = (0.8, 2.0) if ("q_norm" in name or "k_norm" in name) else (0.5, 1.5)
+                p.copy_(torch.empty_like(p).uniform_(lo, hi, generator=gen))
+            elif "e_score_correction_bias" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+            elif p.dim() >= 2:
+                fan_in = p.shape[-1]
+                scale = 2.0 if name.endswith("gate.weight") else 1.0
+                p.copy_(torch.randn(p.shape, generator=gen) * scale / fan_in ** 0.5)
+            else:   # biases
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+        for name, b in model.named_buffers():
+            if "e_score_correction_bias" in name:
+                b.copy_(torch.randn(b.shape, generator=gen) * 0.1)
+
+
+def hexs(t):
+    return " ".join("%08x" % x for x in t.detach().float().numpy().view(np.uint32))
+
+
+def main():
+    if sys.argv[1:] == ["--rope-only"]:
+        return rope_cases()
+    print("transformers", transformers.__version__, "torch", torch.__version__)
+    torch.manual_seed(0)
+    os.makedirs(OUT, exist_ok=True)
+    for name, fx in FIXTURES.items():
+        d = os.path.join(OUT, name)
+        if os.path.exists(d):
+            shutil.rmtree(d)
+        hf = os.path.join(d, "hf")
+        os.makedirs(hf)
+        gen = torch.Generator().manual_seed(hash(name) % 2**31)
+        cfg = LagunaConfig(**fx["cfg"])
+        model = LagunaForCausalLM(cfg).float().eval()
+        randomize(model, cfg, gen)
+        if fx["dtype"] == "bf16":
+            model = model.to(torch.bfloat16)      # the checkpoint is bf16 ...
+        model.save_pretrained(hf)
+        if fx.get("tokenizer"):
+            for f in os.listdir(TOK_DIR):
+                if os.path.isfile(os.path.join(TOK_DIR, f)):
+                    shutil.copy(os.path.join(TOK_DIR, f), hf)
+        # ... and the reference runs it in fp32 (bf16 weights upcast): the math laguna does
+        ref = LagunaForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+        ref.config._attn_implementation = "eager"
+        ref.config._experts_implementation = "eager"
+        try:
+            ref.set_attn_implementation("eager")
+            ref.set_experts_implementation("eager")
+        except Exception:
+            pass
+        V = cfg.vocab_size
+        n = fx["prompt_len"]
+        ids = torch.randint(70 if V > 512 else 3, V, (n,), generator=gen)
+        eos = set(cfg.eos_token_id if isinstance(cfg.eos_token_id, list) else [cfg.eos_token_id])
+        with torch.no_grad():
+            cont = []
+            seq = ids.clone()
+            for _ in range(fx["gen"]):
+                nxt = int(ref(seq[None]).logits[0, -1].argmax())
+                if nxt in eos:
+                    break
+                cont.append(nxt)
+                seq = torch.cat([seq, torch.tensor([nxt])])
+            score_ids = seq if fx["gen"] else ids
+            logits = ref(score_ids[None]).logits[0].float().numpy()
+        if fx.get("keep_rows") == "sparse":
+            T = len(score_ids)
+            rows = np.unique(np.concatenate([np.arange(16), np.arange(16, T, 97), np.arange(T - 16, T)]))
+        else:
+            rows = np.arange(len(score_ids))
+        np.save(os.path.join(d, "logits.npy"), logits[rows].astype(np.float32))
+        np.save(os.path.join(d, "rows.npy"), rows.astype(np.int64))
+        with open(os.path.join(d, "prompt.txt"), "w") as f:
+            f.write(" ".join(map(str, ids.tolist())) + "\n")
+        with open(os.path.join(d, "greedy.txt"), "w") as f:
+            f.write(" ".join(map(str, cont)) + "\n")
+        with open(os.path.join(d, "score.txt"), "w") as f:
+            f.write(" ".join(map(str, score_ids.tolist())) + "\n")
+        rot = ref.model.rotary_emb
+        info = {"dtype": fx["dtype"], "transformers": transformers.__version__, "rope": {}}
+        for lt in sorted(set(cfg.layer_types)):
+            info["rope"][lt] = {"inv_freq": hexs(getattr(rot, f"{lt}_inv_freq")),
+                                "attention_scaling": float(getattr(rot, f"{lt}_attention_scaling"))}
+        with open(os.path.join(d, "ref.json"), "w") as f:
+            json.dump(info, f, indent=1)
+        names = sorted(json.load(open(os.path.join(hf, "model.safetensors.index.json")))["weight_map"]) \
+            if os.path.exists(os.path.join(hf, "model.safetensors.index.json")) else None
+        print(f"{name}: {len(score_ids)} tokens, greedy {len(cont)}, logits |max| {np.abs(logits).max():.3f}"
+              + (f", {len(names)} tensors" if names else ""))
+    rope_cases()
+
+
+def rope_cases():
+    """transformers' rope tables for config variants: what export.py must reproduce bit for bit."""
+    cases = {
+        "xs2": {"full_attention": XS2_FULL, "sliding_attention": SLIDING},
+        "xs21": {"full_attention": XS21_FULL, "sliding_attention": SLIDING},
+        "xs21_no_attention_factor": {"full_attention": {k: v for k, v in XS21_FULL.items() if k != "attention_factor"},
+                                     "sliding_attention": SLIDING},
+        "missing_original_max": {"full_attention": {k: v for k, v in XS2_FULL.items()
+                                                    if k != "original_max_position_embeddings"},
+                                 "sliding_attention": SLIDING},
+        "factor64": {"full_attention": dict(XS2_FULL, factor=64.0), "sliding_attention": SLIDING},
+        "mixed_flat_and_nested": {"full_attention": XS21_FULL, "sliding_attention": SLIDING,
+                                  "rope_type": "yarn", "factor": 8.0},
+        "truncate_false": {"full_attention": XS2_FULL, "sliding_attention": SLIDING, "truncate": False},
+        "linear_sliding": {"full_attention": XS2_FULL,
+                           "sliding_attention": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}},
+        "mscale": {"full_attention": {k: v for k, v in dict(XS2_FULL, mscale=1.0, mscale_all_dim=0.5).items()
+                                      if k != "attention_factor"}, "sliding_attention": SLIDING},
+    }
+    out = {}
+    for name, rp in cases.items():
+        cfgd = base_config(head_dim=128, max_position_embeddings=262144,
+                           rope_parameters=json.loads(json.dumps(rp)))
+        from transformers.models.laguna.modeling_laguna import LagunaRotaryEmbedding
+        try:
+            rot = LagunaRotaryEmbedding(LagunaConfig(**cfgd))
+        except Exception as e:          # transformers refuses this config: export.py must refuse it too
+            out[name] = {"config": {"head_dim": 128, "max_position_embeddings": 262144, "rope_parameters": rp},
+                         "error": f"{type(e).__name__}: {e}"}
+            continue
+        out[name] = {"config": {"head_dim": 128, "max_position_embeddings": 262144, "rope_parameters": rp},
+                     "tables": {lt: {"inv_freq": hexs(getattr(rot, f"{lt}_inv_freq")),
+                                     "attention_scaling": float(getattr(rot, f"{lt}_attention_scaling"))}
+                                for lt in ("full_attention", "sliding_attention")}}
+    with open(os.path.join(OUT, "rope_cases.json"), "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"rope_cases.json: {len(out)} cases")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

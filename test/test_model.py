@@ -1,0 +1,330 @@
+"""The C forward pass against the official transformers implementation (golden fixtures from
+test/make_fixtures.py), plus the loader's and export.py's handling of bad input."""
+import json
+import os
+import shutil
+import struct
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import FIXTURES, ROOT, run
+
+import export  # noqa: E402
+
+NAMES = ["xs2_f32", "xs21_bf16", "variant", "long"]
+TOL = 1e-4   # max |logit - reference|
+
+
+def fixture_file(name, f):
+    return os.path.join(FIXTURES, name, f)
+
+
+def read_ids(path):
+    with open(path) as f:
+        return [int(x) for x in f.read().split()]
+
+
+def score_logits(laguna, model, name, tmp_path, *extra):
+    out = str(tmp_path / "logits.bin")
+    r = run([laguna, model, "--score", fixture_file(name, "score.txt"), "--logits", out, "-q", *extra])
+    n = len(read_ids(fixture_file(name, "score.txt")))
+    lg = np.fromfile(out, dtype=np.float32)
+    assert lg.size % n == 0
+    return lg.reshape(n, -1), r.stdout
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_logits_match_transformers(laguna, exported, name, tmp_path):
+    ref = np.load(fixture_file(name, "logits.npy"))
+    rows = np.load(fixture_file(name, "rows.npy"))
+    got, _ = score_logits(laguna, exported(name), name, tmp_path)
+    assert got.shape[1] == ref.shape[1]
+    diff = float(np.abs(got[rows] - ref).max())
+    print(f"\n{name}: max |logit - transformers| = {diff:.3g} over {len(rows)} rows x {ref.shape[1]} (bar {TOL})")
+    assert diff <= TOL
+
+
+@pytest.mark.parametrize("name", ["xs2_f32", "variant", "long"])
+def test_token_by_token_and_offset_chunks_match(laguna, exported, name, tmp_path):
+    """--chunk 1 is decoding one token at a time with the KV cache; --chunk 7 runs n-token forwards
+    at offsets. Both must give the logits of the one-pass reference."""
+    ref = np.load(fixture_file(name, "logits.npy"))
+    rows = np.load(fixture_file(name, "rows.npy"))
+    big, _ = score_logits(laguna, exported(name), name, tmp_path, "--chunk", "512")
+    for chunk in ("1", "7"):
+        got, _ = score_logits(laguna, exported(name), name, tmp_path, "--chunk", chunk)
+        d_self = float(np.abs(got - big).max())
+        d_ref = float(np.abs(got[rows] - ref).max())
+        print(f"\n{name} --chunk {chunk}: vs one pass {d_self:.3g}, vs transformers {d_ref:.3g}")
+        assert d_self <= TOL and d_ref <= TOL
+
+
+@pytest.mark.parametrize("name", ["xs2_f32", "xs21_bf16", "variant"])
+def test_greedy_continuation_identical(laguna, exported, name):
+    prompt = open(fixture_file(name, "prompt.txt")).read().strip()
+    want = read_ids(fixture_file(name, "greedy.txt"))
+    r = run([laguna, exported(name), "--ids", prompt, "-t", "0", "-n", str(len(want)), "-q"])
+    got = [int(x) for x in r.stdout.split()]
+    assert got == want
+
+
+def test_perplexity_is_consistent_with_logits(laguna, exported, tmp_path):
+    name = "xs2_f32"
+    ids = read_ids(fixture_file(name, "score.txt"))
+    ref = np.load(fixture_file(name, "logits.npy")).astype(np.float64)
+    lse = np.log(np.exp(ref - ref.max(1, keepdims=True)).sum(1)) + ref.max(1)
+    nll = float(np.mean([lse[t] - ref[t, ids[t + 1]] for t in range(len(ids) - 1)]))
+    _, out = score_logits(laguna, exported(name), name, tmp_path)
+    got = float(out.split("mean_nll")[1].split()[0])
+    assert abs(got - nll) < 1e-4, (got, nll)
+
+
+def test_f32_export_of_bf16_checkpoint_is_the_same_model(laguna, exported, tmp_path):
+    a, _ = score_logits(laguna, exported("xs21_bf16"), "xs21_bf16", tmp_path)
+    b, _ = score_logits(laguna, exported("xs21_bf16", "--dtype", "f32"), "xs21_bf16", tmp_path)
+    assert float(np.abs(a - b).max()) <= TOL
+
+
+def test_sampling_is_seeded_and_varies(laguna, exported):
+    m = exported("xs2_f32")
+    prompt = open(fixture_file("xs2_f32", "prompt.txt")).read().strip()
+    def gen(*a):
+        return run([laguna, m, "--ids", prompt, "-n", "24", "-q", *a]).stdout.split()
+    assert gen("-t", "1.0", "-s", "7") == gen("-t", "1.0", "-s", "7")
+    outs = {tuple(gen("-t", "1.5", "-p", "1.0", "-s", str(s))) for s in range(4)}
+    assert len(outs) > 1
+    # top-p that keeps almost nothing is greedy
+    assert gen("-t", "1.0", "-p", "1e-6", "-s", "3") == gen("-t", "0")
+
+
+def test_rope_tables_match_transformers_bitwise():
+    """export.py's inv_freq tables and attention scaling equal transformers' for every fixture."""
+    for name in NAMES:
+        ref = json.load(open(fixture_file(name, "ref.json")))
+        c = export.read_config(os.path.join(FIXTURES, name, "hf"), warn=lambda *a: None)
+        for lt, t in ref["rope"].items():
+            inv, scale, _ = c["rope"][lt]
+            assert " ".join("%08x" % x for x in inv.view(np.uint32)) == t["inv_freq"], (name, lt)
+            assert scale == t["attention_scaling"]
+
+
+def test_rope_config_drift_cases(tmp_path):
+    cases = json.load(open(os.path.join(FIXTURES, "rope_cases.json")))
+    src = json.load(open(fixture_file("xs2_f32", "hf/config.json")))
+    for name, case in cases.items():
+        cfg = dict(src, head_dim=128, max_position_embeddings=262144,
+                   rope_parameters=case["config"]["rope_parameters"])
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(cfg))
+        notes = []
+        if name == "missing_original_max":       # transformers refuses it: so does export.py
+            with pytest.raises(export.ExportError, match="original_max_position_embeddings"):
+                export.read_config(str(d), warn=notes.append)
+            continue
+        c = export.read_config(str(d), warn=notes.append)
+        want = case.get("tables") or cases["xs21"]["tables"] if name == "mixed_flat_and_nested" else case.get("tables")
+        if name == "truncate_false":             # transformers 5.17 crashes on it; we honour the flag
+            inv, _, _ = c["rope"]["full_attention"]
+            inv_t = export.read_config(str(d), warn=notes.append)["rope"]["full_attention"][0]
+            assert (inv == inv_t).all()
+            continue
+        if name == "mixed_flat_and_nested":
+            assert any("flat" in n for n in notes)
+        for lt, t in want.items():
+            inv, scale, _ = c["rope"][lt]
+            assert " ".join("%08x" % x for x in inv.view(np.uint32)) == t["inv_freq"], (name, lt)
+            assert scale == t["attention_scaling"], (name, lt)
+
+
+def test_spec_rope_hex_tables():
+    """The tables in ../shared/spec/laguna-arch.md section 2.1, for the real head_dim 128."""
+    sliding = export.rope_default_inv_freq(10000.0, 128).view(np.uint32)
+    assert "%08x %08x %08x" % (sliding[1], sliding[31], sliding[63]) == "3f5dafd7 3c3d3311 38f22ce2"
+    p = dict(rope_type="yarn", factor=32.0, original_max_position_embeddings=4096, beta_slow=1.0, beta_fast=64.0,
+             attention_factor=1.0)
+    inv, scale = export.rope_yarn(500000.0, 64, p, 131072, True)
+    inv = inv.view(np.uint32)
+    assert "%08x %08x %08x" % (inv[5], inv[16], inv[31]) == "3e03c6a0 38395d21 33ca41b0" and scale == 1.0
+
+
+# ---------------------------------------------------------------------------------------------
+# sharded checkpoints and streaming
+
+def test_sharded_checkpoint_exports_identically(laguna, exported, tmp_path):
+    from safetensors.numpy import load_file, save_file
+    src = os.path.join(FIXTURES, "xs2_f32", "hf")
+    d = tmp_path / "sharded"
+    d.mkdir()
+    for f in ("config.json", "generation_config.json"):
+        shutil.copy(os.path.join(src, f), d)
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    names = sorted(tensors)
+    half = len(names) // 2
+    wm = {}
+    for i, part in enumerate((names[:half], names[half:])):
+        fn = f"model-{i + 1:05d}-of-00002.safetensors"
+        save_file({n: tensors[n] for n in part}, str(d / fn))
+        wm.update({n: fn for n in part})
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wm}))
+    out = str(tmp_path / "sharded.bin")
+    run([sys.executable, os.path.join(ROOT, "export.py"), "-q", str(d), out])
+    assert open(out, "rb").read() == open(exported("xs2_f32"), "rb").read()
+
+
+# ---------------------------------------------------------------------------------------------
+# bad input: a clear message, a non-zero exit, no crash
+
+def expect_error(cmd, *phrases):
+    r = run(cmd, check=False)
+    assert r.returncode not in (0,) and r.returncode > 0, (r.returncode, r.stderr)   # > 0: not a signal
+    for p in phrases:
+        assert p in r.stderr, (p, r.stderr)
+    return r
+
+
+def test_truncated_file(laguna, exported, tmp_path):
+    data = open(exported("xs2_f32"), "rb").read()
+    for cut in (100, 300, len(data) // 2, len(data) - 1):
+        p = tmp_path / f"cut{cut}.bin"
+        p.write_bytes(data[:cut])
+        expect_error([laguna, str(p), "--ids", "1 2 3"], "error")
+    p = tmp_path / "half.bin"
+    p.write_bytes(data[:len(data) // 2])
+    expect_error([laguna, str(p), "--ids", "1 2 3"], "truncated")
+
+
+def test_foreign_and_wrong_version_files(laguna, exported, tmp_path):
+    data = bytearray(open(exported("xs2_f32"), "rb").read())
+    p = tmp_path / "foreign.bin"
+    p.write_bytes(b"GGUF" + bytes(data[4:]))
+    expect_error([laguna, str(p), "--ids", "1"], "not a laguna model file", "export.py")
+    newer = bytearray(data)
+    newer[4:8] = struct.pack("<I", 99)
+    p.write_bytes(bytes(newer))
+    expect_error([laguna, str(p), "--ids", "1"], "version 99", "newer")
+    expect_error([laguna, str(tmp_path / "nope.bin"), "--ids", "1"], "cannot open")
+
+
+def test_corrupt_directory_entry(laguna, exported, tmp_path):
+    data = bytearray(open(exported("xs2_f32"), "rb").read())
+    magic, ver, kind, al, size, coff, csz, doff, n = struct.unpack_from("<IIIIQQQQQ", data)
+    # push the first tensor's offset past the end of the file
+    struct.pack_into("<Q", data, doff + 120, size + 4096)
+    p = tmp_path / "corrupt.bin"
+    p.write_bytes(bytes(data))
+    expect_error([laguna, str(p), "--ids", "1"], "outside the file")
+    # change a shape so it no longer matches the config
+    data = bytearray(open(exported("xs2_f32"), "rb").read())
+    for i in range(n):
+        name = data[doff + i * 128: doff + i * 128 + 80].split(b"\0")[0].decode()
+        if name == "model.layers.1.self_attn.q_proj.weight":
+            struct.pack_into("<q", data, doff + i * 128 + 88, 8)
+    p.write_bytes(bytes(data))
+    expect_error([laguna, str(p), "--ids", "1"], "model.layers.1.self_attn.q_proj.weight", "shape")
+
+
+def test_token_id_out_of_range_in_score(laguna, exported, tmp_path):
+    p = tmp_path / "ids.txt"
+    p.write_text("1 2 3 512 4")
+    expect_error([laguna, exported("xs2_f32"), "--score", str(p)], "token id 512 is out of range")
+    p.write_text("1 2 x")
+    expect_error([laguna, exported("xs2_f32"), "--score", str(p)], "not a token id")
+    expect_error([laguna, exported("xs2_f32"), "--ids", "1 -5"], "out of range")
+
+
+def test_prompt_longer_than_context(laguna, exported):
+    ids = " ".join(["5"] * 40)
+    expect_error([laguna, exported("xs2_f32"), "--ids", ids, "-c", "16"],
+                 "prompt (40 tokens) exceeds the context size (16 tokens)")
+    expect_error([laguna, exported("xs2_f32"), "--ids", "1", "-c", "999999999"], "exceeds the model's maximum")
+
+
+def test_bad_flags(laguna, exported):
+    expect_error([laguna, exported("xs2_f32"), "--bogus"], "unknown option --bogus")
+    expect_error([laguna, exported("xs2_f32"), "-n"], "-n needs a value")
+    r = run([laguna, "--help"])
+    for flag in ("-n", "-t", "-p", "-s", "-c", "-i", "--raw", "--cpu", "--tokenize", "--score", "--logits",
+                 "-m", "--think", "-y"):
+        assert flag in r.stdout
+
+
+def copy_fixture(tmp_path, name="xs2_f32"):
+    d = tmp_path / "hf"
+    shutil.copytree(os.path.join(FIXTURES, name, "hf"), d)
+    return d
+
+
+def export_cmd(d, tmp_path):
+    return [sys.executable, os.path.join(ROOT, "export.py"), str(d), str(tmp_path / "out.bin")]
+
+
+def rewrite_tensors(d, fn):
+    from safetensors.numpy import load_file, save_file
+    t = load_file(str(d / "model.safetensors"))
+    fn(t)
+    save_file(t, str(d / "model.safetensors"))
+
+
+def test_export_missing_tensor(tmp_path):
+    d = copy_fixture(tmp_path)
+    rewrite_tensors(d, lambda t: t.pop("model.layers.2.mlp.experts.5.up_proj.weight"))
+    r = expect_error(export_cmd(d, tmp_path), "model.layers.2.mlp.experts.5.up_proj.weight", "missing")
+    assert not os.path.exists(tmp_path / "out.bin")
+
+
+def test_export_extra_tensor(tmp_path):
+    d = copy_fixture(tmp_path)
+    rewrite_tensors(d, lambda t: t.__setitem__("model.layers.0.self_attn.sinks", np.zeros(4, np.float32)))
+    expect_error(export_cmd(d, tmp_path), "unexpected tensor model.layers.0.self_attn.sinks")
+
+
+def test_export_wrong_shape(tmp_path):
+    d = copy_fixture(tmp_path)
+    rewrite_tensors(d, lambda t: t.__setitem__("model.layers.1.self_attn.g_proj.weight",
+                                               np.zeros((9, 64), np.float32)))
+    expect_error(export_cmd(d, tmp_path), "model.layers.1.self_attn.g_proj.weight", "shape [9, 64]")
+
+
+def test_export_config_refusals(tmp_path):
+    d = copy_fixture(tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    for change, phrase in ((dict(model_type="llama"), "not 'laguna'"),
+                           (dict(swa_attention_sink_enabled=True), "swa_attention_sink_enabled"),
+                           (dict(hidden_act="gelu"), "hidden_act"),
+                           (dict(rope_parameters={"full_attention": dict(cfg["rope_parameters"]["full_attention"],
+                                                                         rope_type="dynamic"),
+                                                  "sliding_attention": cfg["rope_parameters"]["sliding_attention"]}),
+                            "dynamic")):
+        (d / "config.json").write_text(json.dumps(dict(cfg, **change)))
+        expect_error(export_cmd(d, tmp_path), phrase)
+    # --ignore-key accepts a key the user vouches for
+    (d / "config.json").write_text(json.dumps(dict(cfg, my_note=1)))
+    run(export_cmd(d, tmp_path) + ["--ignore-key", "my_note", "-q"])
+
+
+def test_export_streams_with_small_memory(tmp_path):
+    """Peak RSS of export.py stays far below the checkpoint size (it streams tensor by tensor)."""
+    from safetensors.numpy import save_file
+    d = copy_fixture(tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    # a checkpoint of ~400 MB: a large vocabulary makes the embedding and lm_head big
+    V, H = 400_000, 256
+    cfg.update(vocab_size=V)
+    (d / "config.json").write_text(json.dumps(cfg))
+    from safetensors.numpy import load_file
+    t = load_file(str(d / "model.safetensors"))
+    rng = np.random.default_rng(0)
+    t["model.embed_tokens.weight"] = rng.standard_normal((V, 64), dtype=np.float32)
+    t["lm_head.weight"] = rng.standard_normal((V, 64), dtype=np.float32)
+    save_file(t, str(d / "model.safetensors"))
+    size = os.path.getsize(d / "model.safetensors")
+    code = ("import resource, sys; sys.argv = ['export.py', %r, %r, '-q']; sys.path.insert(0, %r); import export; "
+            "rc = export.main(sys.argv[1:]); print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+            % (str(d), str(tmp_path / "big.bin"), ROOT))
+    r = run([sys.executable, "-c", code])
+    peak_kb = int(r.stdout.split()[-1])
+    print(f"\ncheckpoint {size / 1e6:.0f} MB, export peak RSS {peak_kb / 1e3:.0f} MB")
+    assert peak_kb * 1024 < 0.6 * size + 80e6
