@@ -137,7 +137,7 @@ class Checkpoint:
     def array(self, name, row0=0, row1=None):
         return self.where[name].array(name, row0, row1)
 
-    def chunks(self, name, max_bytes=64 << 20):
+    def chunks(self, name, max_bytes=16 << 20):
         """The tensor in pieces of whole rows, at most ~max_bytes each: export streams, whatever the size."""
         shape = self.shape(name)
         if len(shape) < 2:
