@@ -26,3 +26,7 @@ test: laguna
 .PHONY: clean test
 clean:
 	rm -f laguna laguna-debug laguna-cuda *.o
+
+# tokenizer speed: encode a file, tokens/s on one core (make bench_tokenizer && ./bench_tokenizer MODEL.bin FILE)
+bench_tokenizer: dev/bench_tokenizer.c tokenizer.c tokenizer.h tokenizer_unicode.h
+	$(CC) -O2 -std=c11 -Wall -Wextra -I. dev/bench_tokenizer.c tokenizer.c -o $@

@@ -1,0 +1,504 @@
+"""Tokenizer tests: tokenizer.c against Hugging Face `tokenizers` and jinja2, on the synthetic Laguna-style
+tokenizer in test/data/tokenizer (built by test/make_tokenizer.py).
+
+  python3 -m pytest -q test/test_tokenizer.py          (add -s to see the counts)
+
+The C side is driven through test/tokenizer_harness.c, compiled here with -Wall -Wextra -Werror into a temp dir.
+"""
+import json
+import os
+import random
+import shutil
+import struct
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA = os.path.join(ROOT, "test", "data", "tokenizer")
+sys.path.insert(0, ROOT)
+
+tokenizers = pytest.importorskip("tokenizers")
+import export  # noqa: E402  (only tokenizer_blob and its _tok_ helpers are used)
+
+ADDED_TEXT = ["〈|EOS|〉", "〈|UNK|〉", "<think>", "</think>", "<assistant>", "</assistant>", "<tool_call>",
+              "</tool_call>", "〈|SPECIAL_8|〉", "〈|PAD|〉", "〈|FIM_MIDDLE|〉"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# fixtures
+
+@pytest.fixture(scope="module")
+def build(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tok")
+    exe = str(d / "harness")
+    cc = os.environ.get("CC", "cc")
+    cmd = [cc, "-O2", "-g", "-std=c11", "-Wall", "-Wextra", "-Werror", "-I", ROOT,
+           os.path.join(ROOT, "test", "tokenizer_harness.c"), os.path.join(ROOT, "tokenizer.c"), "-o", exe]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, f"build failed:\n{' '.join(cmd)}\n{r.stderr}"
+    return d, exe
+
+
+def write_blob(d, name, hf_dir):
+    blob = export.tokenizer_blob(hf_dir)
+    path = os.path.join(str(d), name)
+    with open(path, "wb") as f:
+        f.write(blob)
+    return path
+
+
+@pytest.fixture(scope="module")
+def v8(build):
+    d, exe = build
+    return Harness(exe, write_blob(d, "v8.bin", DATA))
+
+
+@pytest.fixture(scope="module")
+def v2(build):
+    # a second checkpoint: the same tokenizer.json, the XS.2-style template embedded in tokenizer_config.json
+    d, exe = build
+    ck = d / "v2ckpt"
+    ck.mkdir()
+    shutil.copy(os.path.join(DATA, "tokenizer.json"), ck / "tokenizer.json")
+    shutil.copy(os.path.join(DATA, "v2", "tokenizer_config.json"), ck / "tokenizer_config.json")
+    return Harness(exe, write_blob(d, "v2.bin", str(ck)), hf_dir=str(ck))
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return tokenizers.Tokenizer.from_file(os.path.join(DATA, "tokenizer.json"))
+
+
+class Harness:
+    def __init__(self, exe, blob, hf_dir=DATA):
+        self.exe, self.blob, self.hf_dir = exe, blob, hf_dir
+
+    def run(self, cmd, payload):
+        path = self.blob + "." + cmd + ".cases"
+        with open(path, "wb") as f:
+            f.write(payload)
+        r = subprocess.run([self.exe, self.blob, cmd, path], capture_output=True)
+        assert r.returncode == 0, r.stderr.decode(errors="replace")
+        return r.stdout.decode().splitlines()
+
+    def encode_bytes(self, items):
+        out = self.run("encode", b"".join(struct.pack("<I", len(b)) + b for b in items))
+        assert len(out) == len(items)
+        return [line if line.startswith("ERR") else [int(x) for x in line.split()] for line in out]
+
+    def encode(self, texts):
+        return self.encode_bytes([t.encode("utf-8") for t in texts])
+
+    def pieces(self, texts):
+        items = [t.encode("utf-8") for t in texts]
+        out = self.run("pieces", b"".join(struct.pack("<I", len(b)) + b for b in items))
+        return [[b[int(x.split(":")[0]):int(x.split(":")[1])] for x in line.split()] for b, line in zip(items, out)]
+
+    def decode(self, seqs):
+        payload = b"".join(struct.pack("<I", len(s)) + struct.pack(f"<{len(s)}i", *s) for s in seqs)
+        out = self.run("decode", payload)
+        assert "STREAM MISMATCH" not in out, "streaming decode differs from whole-sequence decode"
+        return [bytes.fromhex(line) for line in out]
+
+    def chat(self, convs):
+        def s(x):
+            if x is None:
+                return struct.pack("<I", 0xFFFFFFFF)
+            b = x.encode("utf-8")
+            return struct.pack("<I", len(b)) + b
+        payload = b""
+        for msgs, gen, think in convs:
+            payload += struct.pack("<III", len(msgs), int(gen), int(think))
+            for m in msgs:
+                payload += s(m["role"]) + s(m.get("content")) + s(m.get("reasoning_content"))
+        out = self.run("chat", payload)
+        return [line if line.startswith("ERR") else bytes.fromhex(line).decode("utf-8") for line in out]
+
+
+U2B = {u: b for b, u in export._tok_bytes_to_unicode().items()}
+
+
+def check_pieces(h, hf, texts, label):
+    """The pre-tokenizer's pieces must match too: with a small vocab many different splits give the same ids."""
+    texts = [t for t in texts if not any(a in t for a in ADDED_TEXT + ["〈|SPECIAL_", "〈|RES"])]
+    got = h.pieces(texts)
+    want = [[bytes(U2B[ch] for ch in p) for p, _ in hf.pre_tokenizer.pre_tokenize_str(t)] for t in texts]
+    bad = [(t, w, g) for t, w, g in zip(texts, want, got) if w != g]
+    print(f"{label}: {len(texts)} strings, {sum(len(w) for w in want)} pieces, {len(bad)} piece mismatches")
+    for t, w, g in bad[:5]:
+        i = next((k for k, (a, b) in enumerate(zip(w, g)) if a != b), min(len(w), len(g)))
+        print(f"  MISMATCH in {t[:200]!r} at piece {i}:\n    HF {w[max(0, i - 2):i + 3]}\n    C  {g[max(0, i - 2):i + 3]}")
+    assert not bad
+
+
+def check_parity(h, hf, texts, label):
+    got = h.encode(texts)
+    want = [e.ids for e in hf.encode_batch(texts, add_special_tokens=False)]
+    bad = [(t, w, g) for t, w, g in zip(texts, want, got) if w != g]
+    print(f"\n{label}: {len(texts)} strings, {sum(len(w) for w in want)} tokens, {len(bad)} mismatches")
+    for t, w, g in bad[:5]:
+        i = next((k for k, (a, b) in enumerate(zip(w, g)) if a != b), min(len(w), len(g)))
+        print(f"  MISMATCH in {t[:200]!r} at token {i}:\n    HF {w[max(0, i - 3):i + 5]}\n    C  {g[max(0, i - 3):i + 5]}")
+    assert not bad
+    return got
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# encoding
+
+# the spec's vocabulary-independent pre-tokenizer vectors (ByteLevel strings)
+SPEC_VECTORS = [
+    ("f(x):\r\n\n  y\rz\n", "f|(x|):|čĊĊ|Ġ|Ġy|č|z|Ċ"),
+    ("x  \n y", "x|ĠĠ|Ċ|Ġy"),
+    ("  \n\n  x", "ĠĠ|ĊĊ|Ġ|Ġx"),
+    ("x.\n\ny", "x|.|ĊĊ|y"),
+    ("</system>\n<user>Hi", "</|system|>|Ċ|<user|>Hi"),
+    ("a\r\nb\r\n\r\nc", "a|čĊ|b|čĊčĊ|c"),
+    ("a\rb", "a|č|b"),
+    ("12345 don't", "1|2|3|4|5|Ġdon|'t"),
+    ("DON'T we'll", "DON|'T|Ġwe|'ll"),
+    ("x'ſ", "x|'Å¿"),
+    ("  indented\n    code()\n", "Ġ|Ġindented|Ċ|ĠĠĠ|Ġcode|()|Ċ"),
+    ("a\tb\t\tc", "a|ĉb|ĉ|ĉc"),
+    ("foo \u00a0bar", "foo|Ġ|Âłbar"),
+    ("emoji 🦙🦙 ok", "emoji|ĠðŁ¦ĻðŁ¦Ļ|Ġok"),
+    ("日本語テキスト", "æĹ¥æľ¬èªŀãĥĨãĤŃãĤ¹ãĥĪ"),
+    ("3.14 ²³", "3|.|1|4|Ġ|Â²|Â³"),
+]
+
+
+def test_spec_pretokenizer_vectors(v8, hf):
+    # the synthetic file really has Laguna's pre-tokenizer ...
+    for text, want in SPEC_VECTORS:
+        assert "|".join(p for p, _ in hf.pre_tokenizer.pre_tokenize_str(text)) == want, text
+    # ... and C agrees with it on these
+    check_parity(v8, hf, [t for t, _ in SPEC_VECTORS], "spec vectors")
+    check_pieces(v8, hf, [t for t, _ in SPEC_VECTORS], "spec vectors")
+
+
+NAMED = {
+    "python": "def fib(n: int) -> int:\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n\n\n"
+              "print([fib(i) for i in range(10)])  # 0 1 1 2 3\n",
+    "c": "#include <stdio.h>\nint main(void) {\n\tint x = 0x1F;\n\tprintf(\"%d\\n\", x >> 2);\n\treturn 0;\n}\n",
+    "js": "const f = async (a, b) => { await fetch(`/api/${a}?b=${b}`); return a ?? b; };\n",
+    "rust": "fn main() { let v: Vec<u64> = (1..=10).map(|x| x*x).collect(); println!(\"{:?}\", v); }",
+    "go": "func (s *Server) Handle(w http.ResponseWriter, r *http.Request) {\n\tif err != nil {\n\t\treturn\n\t}\n}",
+    "sql_html_json": "SELECT a.id FROM t a WHERE a.x>=10;\n<div class=\"x\">&nbsp;</div>\n{\"k\": [1, 2.5e-3, null]}",
+    "crlf": "line one\r\nline two\r\n\r\n\r\n  indented\r\n\tlast\r\n",
+    "lone_cr": "a\rb\r\rc\r \rd\r\n\re\n\r",
+    "mixed_newlines": "\n\n\r\n\n\r\r\n\n \n\t\n",
+    "blank_runs": "x\n\n\n\n\ny\n \n \n\nz    \n\n\n   w",
+    "tabs": "\tindent\n\t\tmore\t\t\ttabs\t \t x\t",
+    "nbsp_ideographic": "a\u00a0b \u00a0c\u3000d\u3000\u3000e \u3000 f\u2028g\u2029h\u0085i\u202fj",
+    "other_digits": "Ⅻ ½ ² ٣ ٤٥ ০১ ๑๒ ¼kg 3²=9 Ⅳth ⑦ 𝟘𝟙",
+    "contractions": "I'm you're he's we've they'll she'd it't I'M YOU'RE HE'S WE'VE THEY'LL SHE'D IT'T 'Re 'lL 'ſ ''s",
+    "cjk": "机器学习是人工智能的一个分支。東京は日本の首都です。한국어 텍스트입니다。",
+    "arabic_hebrew": "مرحبا بالعالم، هذا اختبار. ١٢٣ שלום עולם",
+    "emoji": "👍🏽👋🏿 👨‍👩‍👧‍👦 🇫🇷🇩🇪 ❤️‍🔥 🦙 ok👌🏻!",
+    "combining": "e\u0301 n\u0303o a\u0308\u0304 Z\u0351\u0352\u0353 \u0301x x\u0301\u0301 क्षि",
+    "added_literal": "x〈|EOS|〉y<think>a</think>b<assistant>c</assistant>〈|EOS|〉〈|EOS|〉<think><think>",
+    "added_partial": "<think <think/> 〈|EOS| 〈|EOS|〉> </assistant <|EOS|> 〈| |〉 〈|SPECIAL_99|〉",
+    "empty": "",
+    "single_space": " ",
+    "only_newlines": "\n\n\n",
+    "long_word": "a" * 3000 + " " + "ab" * 1500 + " " + "🦙" * 500,
+    "long_space": " " * 1000 + "x" + "\t" * 500,
+    "controls": "\x00a\x01\x7f\x1c\x1d b\x0b\x0cc",
+}
+
+
+def test_parity_named(v8, hf):
+    check_parity(v8, hf, list(NAMED.values()), "named cases")
+    check_pieces(v8, hf, list(NAMED.values()), "named cases")
+
+
+def test_parity_source_files(v8, hf):
+    # real code: a handful of stdlib files whole (not the first ones, which were the training text)
+    lib = os.path.dirname(os.__file__)
+    names = sorted(n for n in os.listdir(lib) if n.endswith(".py"))[-12:]
+    texts = [open(os.path.join(lib, n), encoding="utf-8", errors="replace").read() for n in names]
+    texts.append(open(os.path.join(ROOT, "tokenizer.c"), encoding="utf-8").read())
+    check_parity(v8, hf, texts, "source files")
+    check_pieces(v8, hf, texts, "source files")
+
+
+def random_strings(n, seed, added=True):
+    rng = random.Random(seed)
+    pools = [
+        [chr(c) for c in range(32, 127)] * 3,
+        list(" \t\n\r\u00a0\u3000\u2028\u0085\u000b\u000c\u1680\u2009\u202f\u205f\u001c\u200b\ufeff"),
+        list("0123456789٣٤۵०১๑Ⅻ½²³⑦𝟙¼"),
+        list("aZéßſǅДжΩωאבعربية中文日本語한국ไทยअक्षि"),
+        [chr(c) for c in range(0x300, 0x370)] + ["\u200d", "\ufe0f", "\U0001F3FB", "\U0001F3FF"],
+        ["👍", "👨", "🦙", "🇫", "🇷", "❤", "😀", "\U0001F9D1"],
+        ["'s", "'t", "'re", "'ve", "'m", "'ll", "'d", "'S", "'LL", "'ſ", "'", "''"],
+        (ADDED_TEXT if added else []) + ["〈|", "|〉", "<think", "think>", "</", "〈", "〉", "<|EOS|>"],
+    ]
+    out = []
+    for _ in range(n):
+        k = rng.randrange(0, 40)
+        parts = []
+        for _ in range(k):
+            r = rng.random()
+            if r < 0.04:   # any codepoint at all (unassigned and private use included; no surrogates)
+                c = rng.randrange(0x110000 - 0x800)
+                parts.append(chr(c + 0x800 if c >= 0xD800 else c))
+            else:
+                parts.append(rng.choice(rng.choice(pools)))
+        out.append("".join(parts))
+    return out
+
+
+FUZZ_N = 5000
+
+
+def test_fuzz_sweep(v8, hf):
+    texts = random_strings(FUZZ_N, seed=1234)
+    check_parity(v8, hf, texts, "fuzz sweep (seed 1234)")
+    check_pieces(v8, hf, random_strings(FUZZ_N, seed=4321, added=False), "fuzz sweep (seed 4321)")
+
+
+def test_every_codepoint_class(v8, hf):
+    # codepoints in a context where letter / number / whitespace / other all split differently ("xc" joins a
+    # letter, "ca" joins anything but a number, "!c" joins only "other"): catches any disagreement between our
+    # Unicode tables and HF's Oniguruma. Every codepoint below U+32400 and in U+E0000..U+E01EF (all assigned
+    # ones), every 97th elsewhere (unassigned or private use: class 0 on both sides).
+    cps = [c for c in range(0x110000) if not 0xD800 <= c <= 0xDFFF and
+           (c < 0x32400 or 0xE0000 <= c <= 0xE01EF or c % 97 == 0)]
+    texts = ["".join(f"x{chr(c)}a!{chr(c)}" for c in cps[i:i + 4000]) for i in range(0, len(cps), 4000)]
+    check_parity(v8, hf, texts, f"{len(cps)} codepoints")
+    check_pieces(v8, hf, texts, f"{len(cps)} codepoints")
+
+
+def test_invalid_utf8_is_an_error(v8):
+    bad = [b"\xff", b"abc\x80", b"\xc3", b"\xc3(", b"\xc0\xaf", b"\xe0\x80\xaf", b"\xed\xa0\x80", b"\xf4\x90\x80\x80",
+           b"ok \xe2\x82", b"\xf8\x88\x80\x80\x80"]
+    for b, out in zip(bad, v8.encode_bytes(bad)):
+        assert isinstance(out, str) and out.startswith("ERR") and "invalid UTF-8" in out, (b, out)
+    ok = v8.encode_bytes([b"\xe2\x82\xac \xf0\x9f\xa6\x99"])
+    assert isinstance(ok[0], list)
+
+
+def test_added_token_passes(build, tmp_path):
+    # HF matches added tokens in two passes: normalized=false ones first, then normalized=true ones in the gaps
+    # (each leftmost-longest). Build a variant with overlapping tokens of both kinds.
+    d, exe = build
+    hf0 = tokenizers.Tokenizer.from_file(os.path.join(DATA, "tokenizer.json"))
+    hf0.add_tokens([tokenizers.AddedToken("think>x", normalized=True), tokenizers.AddedToken("ab", normalized=False),
+                    tokenizers.AddedToken("abc", normalized=True), tokenizers.AddedToken("bcd", normalized=False),
+                    tokenizers.AddedToken("〈|EOS|〉〈|EOS|〉", normalized=False)])
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    hf0.save(str(ck / "tokenizer.json"))
+    h = Harness(exe, write_blob(d, "passes.bin", str(ck)), hf_dir=str(ck))
+    texts = ["<think>x", "think>x", "abc", "abcd", "xabcab", "aabcdd", "〈|EOS|〉〈|EOS|〉〈|EOS|〉", "abthink>xabc"]
+    check_parity(h, hf0, texts + random_strings(300, seed=7), "added-token passes")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# decoding
+
+def test_roundtrip(v8):
+    texts = list(NAMED.values()) + random_strings(1000, seed=99)
+    ids = v8.encode(texts)
+    back = v8.decode(ids)
+    bad = [t for t, b in zip(texts, back) if b != t.encode("utf-8")]
+    print(f"\nroundtrip: {len(texts)} strings, {len(bad)} differ")
+    assert not bad, bad[:3]
+
+
+def test_decode_matches_hf(v8, hf):
+    # random id sequences, including ones that cut UTF-8 characters apart (HF replaces those with U+FFFD)
+    rng = random.Random(5)
+    n_vocab = hf.get_vocab_size()
+    seqs = [[rng.randrange(n_vocab) for _ in range(rng.randrange(0, 12))] for _ in range(1000)]
+    seqs += [[rng.choice(range(70, 326)) for _ in range(rng.randrange(1, 8))] for _ in range(1000)]  # raw bytes
+    seqs.append([n_vocab + 5, 2, -1])   # unknown ids decode to nothing
+    got = v8.decode(seqs)
+    want = [hf.decode([i for i in s if 0 <= i < n_vocab], skip_special_tokens=False) for s in seqs]
+    bad = [(s, w, g) for s, w, g in zip(seqs, want, got) if g != w.encode("utf-8")]
+    print(f"\ndecode: {len(seqs)} sequences, {len(bad)} mismatches")
+    assert not bad, bad[:3]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# chat
+
+def msg(role, content, reasoning=None):
+    m = {"role": role, "content": content}
+    if reasoning is not None:
+        m["reasoning_content"] = reasoning
+    return m
+
+
+CODE = "def add(a, b):\n    return a + b\n"
+CONVERSATIONS = [
+    [msg("user", "Hello")],
+    [msg("user", "Write a function that adds two numbers.\n")],
+    [msg("system", "You are a terse coding assistant."), msg("user", "Hi")],
+    [msg("system", "Custom system with trailing space   \n"), msg("user", "x")],
+    [msg("system", ""), msg("user", "Hi")],
+    [msg("system", "   \n"), msg("user", "Hi")],
+    [msg("user", "Write add."), msg("assistant", CODE, "The user wants add()."), msg("user", "Now subtract.")],
+    [msg("user", "a?"), msg("assistant", "b."), msg("user", "c?"), msg("assistant", "d.", "reason d"),
+     msg("user", "e?")],
+    [msg("system", "Be brief."), msg("user", "1"), msg("assistant", "2", "  padded reasoning \n"),
+     msg("user", "3"), msg("assistant", "  padded answer\n\n"), msg("user", "4")],
+    [msg("user", "ünïcödé 日本語 🦙\r\n\ttabs"), msg("assistant", "〈|EOS|〉 literal <think> in text", "")],
+    [msg("user", "q"), msg("assistant", "a")],
+    [msg("user", "q"), msg("assistant", ""), msg("user", "again")],
+    [msg("user", "q"), msg("assistant", " \n", "only reasoning"), msg("user", "again")],
+    [msg("user", "q"), msg("system", "a later system message"), msg("user", "r")],
+]
+
+
+def jinja_render(hf_dir, msgs, gen, think):
+    with open(os.path.join(hf_dir, "tokenizer_config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    return export._tok_render_fn(hf_dir, config)(msgs, gen, think)
+
+
+@pytest.mark.parametrize("which", ["v8", "v2"])
+def test_chat_matches_jinja(which, request):
+    h = request.getfixturevalue(which)
+    convs = [(m, gen, think) for m in CONVERSATIONS for gen in (True, False) for think in (False, True)]
+    got = h.chat(convs)
+    n = 0
+    for (msgs, gen, think), g in zip(convs, got):
+        want = jinja_render(h.hf_dir, msgs, gen, think)
+        assert g == want, f"{which} gen={gen} think={think} {msgs}\n jinja2: {want!r}\n C:      {g!r}"
+        n += 1
+    print(f"\nchat {which}: {n} renderings byte-identical to jinja2")
+
+
+def test_jinja_setup_matches_transformers():
+    # export.py renders templates like transformers' apply_chat_template; check that on both templates
+    try:
+        from transformers.utils.chat_template_utils import render_jinja_template
+    except Exception:
+        pytest.skip("transformers not installed")
+    for d, src in ((DATA, os.path.join(DATA, "chat_template.jinja")), (DATA, os.path.join(DATA, "v2", "chat_template.jinja"))):
+        with open(src, encoding="utf-8") as f:
+            template = f.read()
+        render = export._tok_jinja_env().from_string(template)
+        for msgs in CONVERSATIONS:
+            for gen in (True, False):
+                for think in (False, True):
+                    want = render_jinja_template([msgs], chat_template=template, add_generation_prompt=gen,
+                                                 enable_thinking=think)[0][0]
+                    got = render.render(messages=msgs, tools=None, documents=None, add_generation_prompt=gen,
+                                        enable_thinking=think)
+                    assert got == want, (src, msgs, gen, think)
+
+
+DEFAULT = ("You are a helpful, conversationally-fluent assistant made by Poolside. You are here to be helpful to "
+           "users through natural language conversations.")
+
+
+def test_chat_published_format(v8, v2):
+    # our templates follow the published renderings (spec §2) for a single user turn "Hello"
+    hello = [msg("user", "Hello")]
+    v8_off, v8_on, v2_off, v2_on = v8.chat([(hello, True, False), (hello, True, True)]) + \
+        v2.chat([(hello, True, False), (hello, True, True)])
+    assert v8_off == f"〈|EOS|〉<system>{DEFAULT}</system>\n<user>Hello</user>\n<assistant></think>"
+    assert v8_on == f"〈|EOS|〉<system>{DEFAULT}</system>\n<user>Hello</user>\n<assistant><think>"
+    assert v2_off == f"〈|EOS|〉<system>\n\n{DEFAULT}\n</system>\n<user>\nHello\n</user>\n<assistant>\n</think>"
+    assert v2_on == f"〈|EOS|〉<system>\n\n{DEFAULT}\n</system>\n<user>\nHello\n</user>\n<assistant>\n<think>"
+    # the empty system message: v8 drops the block unless thinking is on
+    empty = [msg("system", ""), msg("user", "Hi")]
+    off, on = v8.chat([(empty, True, False), (empty, True, True)])
+    assert off == "〈|EOS|〉<user>Hi</user>\n<assistant></think>"
+    assert on == "〈|EOS|〉<system></system>\n<user>Hi</user>\n<assistant><think>"
+
+
+def test_chat_errors(v8):
+    out = v8.chat([([msg("tool", "x")], True, False)])
+    assert out[0].startswith("ERR") and "role" in out[0]
+
+
+def test_chat_prompt_encoding(v8, hf):
+    # the rendered prompt starts with 〈|EOS|〉 (id 2) and needs no extra BOS
+    text = v8.chat([([msg("user", "Tell me the capital of Italy.")], True, True)])[0]
+    ids = check_parity(v8, hf, [text], "rendered prompt")[0]
+    assert ids[0] == 2 and ids[-2:] == [23, 18] and ids.count(2) == 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# export
+
+def run_export(hf_dir):
+    code = f"import sys; sys.path.insert(0, {ROOT!r}); import export; b = export.tokenizer_blob({str(hf_dir)!r}); " \
+           "print('NONE' if b is None else len(b))"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+
+
+def variant(tmp_path, name, edit):
+    j = json.load(open(os.path.join(DATA, "tokenizer.json"), encoding="utf-8"))
+    edit(j)
+    d = tmp_path / name
+    d.mkdir()
+    with open(d / "tokenizer.json", "w", encoding="utf-8") as f:
+        json.dump(j, f, ensure_ascii=False)
+    return d
+
+
+REFUSALS = {
+    "normalizer": (lambda j: j.update(normalizer={"type": "NFC"}), "normalizer"),
+    "byte_fallback": (lambda j: j["model"].update(byte_fallback=True), "byte_fallback"),
+    "pretokenizer": (lambda j: j.update(pre_tokenizer={"type": "ByteLevel", "add_prefix_space": False,
+                                                       "trim_offsets": True, "use_regex": True}), "pre_tokenizer"),
+    "regex": (lambda j: j["pre_tokenizer"]["pretokenizers"][1]["pattern"].update(
+        Regex=j["pre_tokenizer"]["pretokenizers"][1]["pattern"]["Regex"].replace("\\p{N}|", "\\p{N}{1,3}|")),
+        "pre-tokenizer step"),
+    "model": (lambda j: j["model"].update(type="WordPiece"), "model type"),
+    "lstrip": (lambda j: j["added_tokens"][2].update(lstrip=True), "lstrip"),
+    "decoder": (lambda j: j.update(decoder={"type": "Metaspace"}), "decoder"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSALS))
+def test_export_refuses(tmp_path, name):
+    edit, needle = REFUSALS[name]
+    r = run_export(variant(tmp_path, name, edit))
+    assert r.returncode != 0, r.stdout
+    assert "unsupported tokenizer" in r.stderr and needle in r.stderr and "HINT" in r.stderr, r.stderr
+
+
+def test_export_merges_formats_and_missing(tmp_path):
+    # merges spelled "a b" (older tokenizers) give the same blob as ["a", "b"]
+    d = variant(tmp_path, "oldmerges", lambda j: j["model"].update(merges=[" ".join(m) for m in j["model"]["merges"]]))
+    for f in ("tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(os.path.join(DATA, f), d / f)
+    assert export.tokenizer_blob(str(d)) == export.tokenizer_blob(DATA)
+    assert run_export(tmp_path).stdout.strip() == "NONE"   # no tokenizer.json: no blob
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# memory
+
+def test_valgrind_clean(v8, v2):
+    if not shutil.which("valgrind"):
+        pytest.skip("valgrind not installed")
+    texts = list(NAMED.values())[:-4] + random_strings(200, seed=3)
+    for h, cmd, payload in [
+        (v8, "encode", b"".join(struct.pack("<I", len(t.encode())) + t.encode() for t in texts)
+         + struct.pack("<I", 3) + b"a\xffb"),
+        (v8, "decode", b"".join(struct.pack("<I", 4) + struct.pack("<4i", i, i + 7, 2, 99999) for i in range(0, 4096, 50))),
+        (v2, "chat", None),
+    ]:
+        path = h.blob + ".vg"
+        if payload is None:   # a few conversations
+            payload = b""
+            for msgs in CONVERSATIONS[:6]:
+                payload += struct.pack("<III", len(msgs), 1, 1)
+                for m in msgs:
+                    for x in (m["role"], m["content"], m.get("reasoning_content")):
+                        payload += struct.pack("<I", 0xFFFFFFFF) if x is None else \
+                            struct.pack("<I", len(x.encode())) + x.encode()
+        with open(path, "wb") as f:
+            f.write(payload)
+        r = subprocess.run(["valgrind", "--error-exitcode=9", "--leak-check=full", "--errors-for-leak-kinds=all",
+                            "-q", h.exe, h.blob, cmd, path], capture_output=True, text=True)
+        assert r.returncode == 0, f"valgrind ({cmd}):\n{r.stderr[-3000:]}"
