@@ -684,6 +684,181 @@ def write_file(out_path, config_bytes, plan, kind=KIND_MODEL, quiet=False):
 
 
 # -----------------------------------------------------------------------------
+# DFlash drafters (poolside/Laguna-XS-2.1-DFlash): same command, recognised from the config
+
+KIND_DRAFTER = 1
+DRAFTER_IGNORED = {"architectures", "auto_map", "model_type", "transformers_version", "torch_dtype", "dtype",
+                   "use_cache", "initializer_range", "attention_dropout", "_name_or_path", "tie_word_embeddings",
+                   "hidden_act", "pad_token_id", "bos_token_id", "eos_token_id", "draft_vocab_size",
+                   "eagle_aux_hidden_state_layer_ids", "target_layer_count", "num_attention_heads_per_layer",
+                   "mlp_layer_types", "rope_theta", "partial_rotary_factor", "swa_rope_parameters", "rope_scaling",
+                   "norm_topk_prob", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                   "shared_expert_intermediate_size", "moe_routed_scaling_factor", "router_aux_loss_coef",
+                   "output_router_logits", "mlp_only_layers", "decoder_sparse_step", "gating_types",
+                   "moe_router_logit_softcapping", "moe_apply_router_weight_on_input"}
+DRAFTER_USED = {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "layer_types", "sliding_window", "rms_norm_eps",
+                "max_position_embeddings", "gating", "attention_bias", "rope_parameters", "dflash_config"}
+
+
+def is_drafter_config(cfg):
+    return "dflash_config" in cfg or any("DFlash" in a for a in (cfg.get("architectures") or []))
+
+
+def read_drafter_config(hf_dir, cfg, ignore_keys=(), warn=print):
+    unknown = sorted(k for k in cfg if k not in DRAFTER_IGNORED and k not in DRAFTER_USED and k not in ignore_keys)
+    if unknown:
+        raise ExportError(f"drafter config.json has keys laguna does not know: {', '.join(unknown)}",
+                          "they may change the math; if you are sure they do not, pass --ignore-key KEY for each")
+    dc = cfg.get("dflash_config")
+    if not isinstance(dc, dict) or not dc.get("target_layer_ids"):
+        raise ExportError("drafter config.json has no dflash_config.target_layer_ids")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ExportError(f"drafter hidden_act {cfg['hidden_act']!r} is not supported (silu only)")
+    if cfg.get("attention_bias", False):
+        raise ExportError("drafters with attention_bias are not supported")
+    L = cfg["num_hidden_layers"]
+    lt = cfg.get("layer_types") or ["full_attention"] * L
+    if len(lt) != L or len(set(lt)) != 1 or lt[0] not in ("full_attention", "sliding_attention"):
+        raise ExportError(f"drafter layer_types {lt} must be {L} copies of full_attention or sliding_attention")
+    gating = cfg.get("gating", True)
+    if gating not in (True, "per-head", "per-element"):
+        raise ExportError(f"drafter gating {gating!r} is not supported (per-head or per-element)")
+    V = cfg.get("draft_vocab_size") or cfg.get("vocab_size")
+    if cfg.get("draft_vocab_size") and cfg.get("vocab_size") and cfg["draft_vocab_size"] != cfg["vocab_size"]:
+        raise ExportError("draft_vocab_size differs from vocab_size: laguna shares the target's lm_head")
+    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    if nh % nkv:
+        raise ExportError(f"drafter: {nh} heads is not a multiple of {nkv} kv heads")
+    c = {"vocab_size": V, "hidden_size": cfg["hidden_size"], "n_layers": L, "n_kv_heads": nkv,
+         "head_dim": cfg.get("head_dim") or cfg["hidden_size"] // nh, "n_heads": [nh] * L, "layer_types": lt,
+         "mlp_layer_types": ["dense"] * L,
+         "sliding_window": cfg.get("sliding_window", 512) if lt[0] == "sliding_attention" else 0,
+         "intermediate_size": cfg["intermediate_size"], "moe_intermediate_size": 0,
+         "shared_expert_intermediate_size": 0, "num_experts": 0, "num_experts_per_tok": 0,
+         "routed_scaling_factor": 1.0, "router_logit_softcapping": 0.0,
+         "rms_norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
+         "max_position_embeddings": cfg.get("max_position_embeddings", 262144),
+         "gating": "per-element" if gating == "per-element" else "per-head", "attention_bias": False,
+         "tie_word_embeddings": False}
+    # RoPE as vLLM's laguna_dflash resolves it: nested by layer type (falling back to full_attention) or flat;
+    # swa_rope_parameters override sliding layers; top-level rope_theta / partial_rotary_factor fill gaps.
+    top = cfg.get("rope_parameters") or {}
+    base = (top.get(lt[0]) or top.get("full_attention") or {}) if any(isinstance(v, dict) for v in top.values()) \
+        else top
+    swa = cfg.get("swa_rope_parameters")
+    p = dict(swa if (lt[0] == "sliding_attention" and swa is not None) else base)
+    if swa is not None and lt[0] == "sliding_attention":
+        warn("note: drafter has swa_rope_parameters; like vLLM, they set the drafter's RoPE")
+    if "partial_rotary_factor" not in p and cfg.get("partial_rotary_factor") is not None:
+        p["partial_rotary_factor"] = cfg["partial_rotary_factor"]
+    if "rope_theta" not in p:
+        p["rope_theta"] = cfg.get("rope_theta", 500000.0)
+    p.setdefault("rope_type", p.get("type", "default"))
+    c["rope"] = rope_tables({lt[0]: p}, c["head_dim"], c["max_position_embeddings"],
+                            top.get("truncate", True) if isinstance(top.get("truncate", True), bool) else True)
+    c["dflash"] = {"block_size": int(dc.get("block_size", 16)), "mask_token_id": int(dc.get("mask_token_id", 12)),
+                   "target_layer_ids": [int(x) for x in dc["target_layer_ids"]], "causal": bool(dc.get("causal", True)),
+                   "num_target_layers": int(dc.get("num_target_layers", 0))}
+    if not 2 <= c["dflash"]["block_size"] <= 64:
+        raise ExportError(f"dflash block_size {c['dflash']['block_size']} is outside 2..64")
+    if not 0 <= c["dflash"]["mask_token_id"] < V:
+        raise ExportError(f"dflash mask_token_id {c['dflash']['mask_token_id']} is outside the vocabulary")
+    if len(c["dflash"]["target_layer_ids"]) > 16:
+        raise ExportError("more than 16 target layer taps")
+    return c
+
+
+def plan_drafter(ck, c, want_dtype):
+    H, D, KV, L = c["hidden_size"], c["head_dim"], c["n_kv_heads"], c["n_layers"]
+    nh, F = c["n_heads"][0], c["intermediate_size"]
+    ntaps = len(c["dflash"]["target_layer_ids"])
+    plan, used = [], set()
+
+    def src(name):
+        for n in (name, "model." + name):
+            if ck.has(n):
+                used.add(n)
+                return n
+        raise ExportError(f"drafter tensor {name} is missing from the checkpoint",
+                          "the drafter does not match its config.json")
+
+    def out_dtype(n):
+        if is_norm_like(n) or want_dtype == "f32":
+            return DT_F32
+        if want_dtype == "bf16":
+            return DT_BF16
+        return DT_BF16 if ck.dtype(n) == "BF16" else DT_F32
+
+    def add(out_name, name, shape, rows=None):
+        n = src(name)
+        got = ck.shape(n)
+        full = (rows[2],) + tuple(shape[1:]) if rows else tuple(shape)
+        if got != full:
+            raise ExportError(f"drafter tensor {n} has shape {list(got)}, expected {list(full)} from config.json")
+        dt = out_dtype(n)
+        if rows:          # a row range of a fused tensor
+            r0, r1 = rows[0], rows[1]
+            plan.append((out_name, dt, tuple(shape), lambda: iter([convert(ck.array(n, r0, r1), ck.dtype(n), dt)])))
+        else:
+            plan.append((out_name, dt, tuple(shape),
+                         lambda: (convert(a, ck.dtype(n), dt) for a in ck.chunks(n))))
+
+    qd, kvd = nh * D, KV * D
+    for l in range(L):
+        p, o = f"layers.{l}.", f"model.layers.{l}."
+        add(o + "input_layernorm.weight", p + "input_layernorm.weight", (H,))
+        if ck.has(p + "self_attn.qkv_proj.weight") or ck.has("model." + p + "self_attn.qkv_proj.weight"):
+            tot = qd + 2 * kvd
+            add(o + "self_attn.q_proj.weight", p + "self_attn.qkv_proj.weight", (qd, H), (0, qd, tot))
+            add(o + "self_attn.k_proj.weight", p + "self_attn.qkv_proj.weight", (kvd, H), (qd, qd + kvd, tot))
+            add(o + "self_attn.v_proj.weight", p + "self_attn.qkv_proj.weight", (kvd, H), (qd + kvd, tot, tot))
+        else:
+            add(o + "self_attn.q_proj.weight", p + "self_attn.q_proj.weight", (qd, H))
+            add(o + "self_attn.k_proj.weight", p + "self_attn.k_proj.weight", (kvd, H))
+            add(o + "self_attn.v_proj.weight", p + "self_attn.v_proj.weight", (kvd, H))
+        add(o + "self_attn.q_norm.weight", p + "self_attn.q_norm.weight", (D,))
+        add(o + "self_attn.k_norm.weight", p + "self_attn.k_norm.weight", (D,))
+        add(o + "self_attn.g_proj.weight", p + "self_attn.g_proj.weight", (nh if c["gating"] == "per-head" else qd, H))
+        add(o + "self_attn.o_proj.weight", p + "self_attn.o_proj.weight", (H, qd))
+        add(o + "post_attention_layernorm.weight", p + "post_attention_layernorm.weight", (H,))
+        add(o + "mlp.gate_proj.weight", p + "mlp.gate_proj.weight", (F, H))
+        add(o + "mlp.up_proj.weight", p + "mlp.up_proj.weight", (F, H))
+        add(o + "mlp.down_proj.weight", p + "mlp.down_proj.weight", (H, F))
+    add("model.norm.weight", "norm.weight", (H,))
+    add("dflash.fc.weight", "fc.weight", (H, ntaps * H))
+    add("dflash.hidden_norm.weight", "hidden_norm.weight", (H,))
+    for i in range(ntaps):
+        add(f"dflash.aux_hidden_norms.{i}.weight", f"aux_hidden_norms.{i}.weight", (H,))
+    for t, (inv, _, rd) in sorted(c["rope"].items()):
+        plan.append((f"rope.{t}.inv_freq", DT_F32, (rd // 2,), lambda inv=inv: iter([inv])))
+    extra = sorted(set(ck.where) - used)
+    if extra:
+        raise ExportError(f"unexpected tensor {', '.join(extra[:3])} in the drafter checkpoint",
+                          "embed_tokens / lm_head come from the target; anything else means a mismatch")
+    return plan
+
+
+def export_drafter(hf_dir, cfg, out_path, dtype, ignore_keys, quiet):
+    say = (lambda *a: None) if quiet else (lambda *a: print(*a, file=sys.stderr))
+    c = read_drafter_config(hf_dir, cfg, ignore_keys, warn=say)
+    ck = Checkpoint(hf_dir)
+    plan = plan_drafter(ck, c, dtype)
+    d = c["dflash"]
+    ids = {"bos_token_id": -1, "pad_token_id": -1, "mask_token_id": d["mask_token_id"], "eos_token_ids": []}
+    text = config_text(c, ids) + (
+        f"dflash_block_size={d['block_size']}\n"
+        f"dflash_target_layer_ids={' '.join(map(str, d['target_layer_ids']))}\n"
+        f"dflash_causal={int(d['causal'])}\n"
+        f"dflash_num_target_layers={d['num_target_layers']}\n").encode()
+    say(f"DFlash drafter: {c['n_layers']} layers, block {d['block_size']}, taps {d['target_layer_ids']}, "
+        f"{'causal' if d['causal'] else 'non-causal'}, window {c['sliding_window'] or 'none'}")
+    size = write_file(out_path, text, plan, kind=KIND_DRAFTER, quiet=quiet)
+    say(f"wrote {out_path}: {len(plan)} tensors, {size / 2**30:.3f} GiB")
+    return size
+
+
+# -----------------------------------------------------------------------------
 # synthetic checkpoints: the exact Laguna shapes without the 67 GB download (benchmarks, GPU tests)
 
 XS_BASE = dict(model_type="laguna", architectures=["LagunaForCausalLM"], vocab_size=100352, hidden_size=2048,
@@ -801,13 +976,19 @@ def export_synthetic(preset, out_path, fill, layers=None, seed=0, quiet=False):
 
 def export_model(hf_dir, out_path, dtype="auto", ignore_keys=(), quiet=False):
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, file=sys.stderr))
+    cpath = os.path.join(hf_dir, "config.json")
+    if os.path.exists(cpath):
+        with open(cpath) as f:
+            raw = json.load(f)
+        if is_drafter_config(raw):
+            return export_drafter(hf_dir, raw, out_path, dtype, ignore_keys, quiet)
     c = read_config(hf_dir, ignore_keys, warn=say)
     ids = read_special_ids(hf_dir, c)
     ck = Checkpoint(hf_dir)
     if c["tie_word_embeddings"] and not ck.has("lm_head.weight"):
         c["lm_head_missing"] = True
     plan = plan_tensors(ck, c, dtype)
-    tok = tokenizer_blob(hf_dir)
+    tok = tokenizer_blob(hf_dir, say=say)
     if tok is None:
         say("note: no tokenizer.json: the file will take token ids only (--ids, --score)")
     else:
@@ -898,6 +1079,13 @@ _TOK_HINT = ("HINT: laguna's tokenizer.c implements exactly Laguna's pipeline (n
              "decoder). A different tokenizer needs new C code, not just a new export.")
 
 
+def _tok_blob_vocab_size(blob):
+    """n_vocab (highest id + 1) from a tokenizer blob's header."""
+    if blob[:4] != _TOK_MAGIC:
+        raise ValueError("not a laguna tokenizer blob")
+    return int.from_bytes(blob[8:12], "little")
+
+
 def _tok_refuse(path, what):
     raise SystemExit(f"export: {path}: unsupported tokenizer: {what}\n{_TOK_HINT}")
 
@@ -949,6 +1137,8 @@ def _tok_check_pipeline(path, j):
     if m.get("continuing_subword_prefix") or m.get("end_of_word_suffix"):
         _tok_refuse(path, "BPE continuing_subword_prefix / end_of_word_suffix are set")
     for a in j.get("added_tokens") or []:
+        if not a.get("content"):
+            _tok_refuse(path, f"added token id {a.get('id')} has empty content")
         for flag in ("lstrip", "rstrip", "single_word"):
             if a.get(flag):
                 _tok_refuse(path, f"added token {a.get('content')!r} (id {a.get('id')}) has {flag}=true, "
@@ -967,11 +1157,14 @@ def _tok_str(b):
     return _tok_u32(len(b)) + b
 
 
-def tokenizer_blob(hf_dir, chat=True):
+def tokenizer_blob(hf_dir, chat=True, say=None):
     """Return the bytes of the 'tokenizer' tensor for the checkpoint in hf_dir, or None if no tokenizer.json.
-    Raises SystemExit with a message and a HINT if the tokenizer or its chat template can't be reproduced in C."""
+    Raises SystemExit with a message and a HINT if the tokenizer or its chat template can't be reproduced in C.
+    chat=False leaves the chat template out; say(msg) prints progress (default: to stderr)."""
     import json
     import os
+    import sys
+    say = say or (lambda *a: print(*a, file=sys.stderr))
     path = os.path.join(hf_dir, "tokenizer.json")
     if not os.path.exists(path):
         return None
@@ -1038,14 +1231,14 @@ def tokenizer_blob(hf_dir, chat=True):
         tok = tok.get("content") if isinstance(tok, dict) else tok
         return by_content.get(tok, -1) if tok else -1
 
-    chat_kv = _tok_chat_data(hf_dir, config) if chat else {}
+    chat_kv = _tok_chat_data(hf_dir, config, say) if chat else {}
     for k, v in chat_kv.items():
         body.append(_tok_str(k.encode("utf-8")) + _tok_str(v.encode("utf-8")))
     out += [_tok_u32(n_vocab), _tok_u32(len(merges)), _tok_u32(len(added)), _tok_u32(len(chat_kv)),
             _tok_i32(special_id("bos_token")), _tok_i32(special_id("eos_token"))]
     out += [_tok_i32(x) for x in byte_id]
     blob = b"".join(out + body)
-    print(f"tokenizer: {n_vocab} ids, {len(merges)} merges, {len(added)} added tokens, "
+    say(f"tokenizer: {n_vocab} ids, {len(merges)} merges, {len(added)} added tokens, "
           f"chat template: {'yes' if chat_kv else 'no'}, {len(blob)} bytes")
     return blob
 
@@ -1058,7 +1251,9 @@ def tokenizer_blob(hf_dir, chat=True):
 #   "{t}:{prev}>{next}"   piece between two fields, t = enable_thinking (0/1)
 #        prev: start (no system message: the default system prompt is part of the piece), start_empty (after
 #              an empty first system message), sys0 (after the first system message's text), sys (after a
-#              later system message), user, asst (after an assistant reply's content)
+#              later system message), user, asst (after an assistant reply's content), asst_e (after an
+#              assistant reply whose content is empty: some templates drop a newline then; absent if the
+#              template's piece before the content changes too)
 #        next: sys0 (only after start), sys, user, asst_r (an assistant turn with reasoning, up to the
 #              reasoning), asst_nr (one without, up to its content), end, gen (add_generation_prompt)
 #   "{t}:mid"             piece between an assistant turn's reasoning and its content
@@ -1066,7 +1261,7 @@ def tokenizer_blob(hf_dir, chat=True):
 #   "strip:{field}"       0 none, 1 lstrip, 2 rstrip, 3 strip (Python str.strip semantics) applied to the
 #                         content of field sys0, sys, user, reason, content before it is inserted
 # Export verifies that pieces + contents reproduce jinja2 on several conversations and refuses otherwise.
-_TOK_CHAT_PREVS = ("start", "start_empty", "sys0", "sys", "user", "asst")
+_TOK_CHAT_PREVS = ("start", "start_empty", "sys0", "sys", "user", "asst", "asst_e")
 _TOK_CHAT_NEXTS = ("sys0", "sys", "user", "asst_r", "asst_nr", "end", "gen")
 _TOK_CHAT_FIELDS = ("sys0", "sys", "user", "reason", "content")
 
@@ -1173,6 +1368,7 @@ def _tok_chat_assemble(kv, msgs, add_generation_prompt, enable_thinking):
                 parts = [("asst_r", _tok_py_strip(reasoning, strip["reason"])), ("mid", text)]
             else:
                 parts = [("asst_nr", text)]
+            empty = not text and any(k.startswith(t + ":asst_e>") for k in kv)
         else:
             return None
         for nxt, text in parts:
@@ -1180,7 +1376,8 @@ def _tok_chat_assemble(kv, msgs, add_generation_prompt, enable_thinking):
             if key not in kv:
                 return None
             out += [kv[key], text]
-            prev = {"sys0": "sys0", "sys": "sys", "user": "user"}.get(nxt, "asst")
+            prev = {"sys0": "sys0", "sys": "sys", "user": "user"}.get(nxt, "asst_e" if role == "assistant" and empty
+                                                                       else "asst")
     key = f"{t}:{prev}>{'gen' if add_generation_prompt else 'end'}"
     if key not in kv:
         return None
@@ -1188,12 +1385,12 @@ def _tok_chat_assemble(kv, msgs, add_generation_prompt, enable_thinking):
     return "".join(out)
 
 
-def _tok_chat_data(hf_dir, config):
+def _tok_chat_data(hf_dir, config, say):
     """Probe the checkpoint's chat template and return the chat key/value table ({} if there is no template)."""
     import os
     render = _tok_render_fn(hf_dir, config)
     if render is None:
-        print(f"tokenizer: no chat template in {hf_dir} (chat_template.jinja or tokenizer_config.json); "
+        say(f"tokenizer: no chat template in {hf_dir} (chat_template.jinja or tokenizer_config.json); "
               "prompts will be encoded as plain text")
         return {}
     where = os.path.join(hf_dir, "chat_template.jinja")
@@ -1211,10 +1408,11 @@ def _tok_chat_data(hf_dir, config):
         return {"start": [], "start_empty": [_tok_msg("system", "")], "sys0": [_tok_msg("system", S["sys0"])],
                 "sys": [_tok_msg("user", S["user0"]), _tok_msg("system", S["sys"])],
                 "user": [_tok_msg("user", S["user"])],
-                "asst": [_tok_msg("user", S["user0"]), _tok_msg("assistant", S["content"])]}[prev]
+                "asst": [_tok_msg("user", S["user0"]), _tok_msg("assistant", S["content"])],
+                "asst_e": [_tok_msg("user", S["user"]), _tok_msg("assistant", "")]}[prev]
 
     end_marker = {"start": None, "start_empty": None, "sys0": S["sys0"], "sys": S["sys"], "user": S["user"],
-                  "asst": S["content"]}
+                  "asst": S["content"], "asst_e": S["user"]}
     kv = {}
     for think in (0, 1):
         t = str(think)
@@ -1252,6 +1450,11 @@ def _tok_chat_data(hf_dir, config):
                 stop_at = len(out) if stop is None else out.find(stop, begin)
                 if stop_at < 0:
                     continue
+                if prev == "asst_e":   # the text after the user turn is user>asst_nr + "" + asst_e>next
+                    entry = kv.get(f"{t}:user>asst_nr")
+                    if entry is None or not out.startswith(entry, begin):
+                        continue
+                    begin += len(entry)
                 kv[f"{t}:{prev}>{nxt}"] = out[begin:stop_at]
         if show:
             out = safe([_tok_msg("user", S["user"]), _tok_msg("assistant", S["content"], S["reason"])], False,
@@ -1309,6 +1512,8 @@ def _tok_chat_data(hf_dir, config):
                         "HINT: the template depends on more than the previous/next message; extend tokenizer.c's "
                         "chat pieces, or export with chat=False and pass prompts raw.")
     edge = [
+        [_tok_msg("user", "q"), _tok_msg("assistant", ""), _tok_msg("user", "r")],
+        [_tok_msg("user", "q"), _tok_msg("assistant", "", "why")],
         [_tok_msg("system", "  \n"), _tok_msg("user", "x")],
         [_tok_msg("user", "  padded  \n")],
         [_tok_msg("user", "q"), _tok_msg("assistant", " a \n", "")],
@@ -1318,7 +1523,7 @@ def _tok_chat_data(hf_dir, config):
         for think in (False, True):
             want, got = safe(msgs, True, think), _tok_chat_assemble(kv, msgs, True, think)
             if want is not None and got is not None and want != got:
-                print(f"tokenizer: warning: chat pieces differ from the template for {msgs} "
+                say(f"tokenizer: warning: chat pieces differ from the template for {msgs} "
                       f"(enable_thinking={think}):\n  jinja2: {want!r}\n  pieces: {got!r}")
     return kv
 # ==== tokenizer: end ====

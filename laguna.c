@@ -111,6 +111,7 @@ static int parse_config(Model *m, const char *text, size_t len, char *err, size_
     memset(c, 0, sizeof *c);
     c->bos_id = c->pad_id = c->mask_id = -1;
     c->gate_per_head = 1;
+    c->causal = 1;
     char *buf = xcalloc(len + 1, 1);
     memcpy(buf, text, len);
     int seen_layers = 0, n_heads_n = 0, n_lt = 0, n_mt = 0;
@@ -160,6 +161,10 @@ static int parse_config(Model *m, const char *text, size_t len, char *err, size_
         else if (KEY("rope_sliding_rotary_dim")) c->rotary_dim[ATTN_SLIDING] = atoi(v);
         else if (KEY("rope_full_attention_scaling")) c->rope_scaling[ATTN_FULL] = (float)strtod(v, NULL);
         else if (KEY("rope_sliding_attention_scaling")) c->rope_scaling[ATTN_SLIDING] = (float)strtod(v, NULL);
+        else if (KEY("dflash_block_size")) c->block_size = atoi(v);
+        else if (KEY("dflash_target_layer_ids")) c->n_taps = parse_int_list(v, c->tap_layers, LAGUNA_MAX_TAPS);
+        else if (KEY("dflash_causal")) c->causal = atoi(v);
+        else if (KEY("dflash_num_target_layers")) c->n_target_layers = atoi(v);
         else {
             snprintf(err, errsz, "unknown config key '%s' in %s\n  hint: the file was written by a newer "
                      "export.py; update laguna", k, m->path);
@@ -209,10 +214,17 @@ static int bind_weights(Model *m, char *err, size_t errsz) {
     char name[128];
 #define B(t, f32, nd, a, b, cc) do { if (bind(m, t, name, f32, nd, a, b, cc, err, errsz)) return -1; } while (0)
 #define N(...) snprintf(name, sizeof name, __VA_ARGS__)
-    N("model.embed_tokens.weight"); B(&w->embed, 0, 2, V, H, 0);
     N("model.norm.weight"); B(&w->final_norm, 1, 1, H, 0, 0);
-    if (c->tied_embeddings) w->lm_head = w->embed;
-    else { N("lm_head.weight"); B(&w->lm_head, 0, 2, V, H, 0); }
+    if (c->block_size) {     /* a DFlash drafter: context fusion; embed and lm_head come from the target */
+        if (c->n_taps <= 0 || c->block_size < 2) FAIL("drafter %s has no taps or a bad block size", m->path);
+        N("dflash.fc.weight"); B(&w->fc, 0, 2, H, (int64_t)c->n_taps * H, 0);
+        N("dflash.hidden_norm.weight"); B(&w->hidden_norm, 1, 1, H, 0, 0);
+        for (int i = 0; i < c->n_taps; i++) { N("dflash.aux_hidden_norms.%d.weight", i); B(&w->aux_norm[i], 1, 1, H, 0, 0); }
+    } else {
+        N("model.embed_tokens.weight"); B(&w->embed, 0, 2, V, H, 0);
+        if (c->tied_embeddings) w->lm_head = w->embed;
+        else { N("lm_head.weight"); B(&w->lm_head, 0, 2, V, H, 0); }
+    }
     for (int t = 0; t < 2; t++) {
         int used = 0;
         for (int l = 0; l < c->n_layers; l++) used |= c->layer_type[l] == t;
@@ -259,7 +271,7 @@ static int bind_weights(Model *m, char *err, size_t errsz) {
     return 0;
 }
 
-int load_model(Model *m, const char *path, char *err, size_t errsz) {
+int load_model(Model *m, const char *path, int kind, char *err, size_t errsz) {
     memset(m, 0, sizeof *m);
     m->fd = -1;
     m->path = path;
@@ -287,9 +299,11 @@ int load_model(Model *m, const char *path, char *err, size_t errsz) {
         FAIL("%s has old format version %u (this laguna reads %d)\n  hint: %s", path, h.version,
              LAGUNA_VERSION, HINT_REEXPORT);
     }
-    if (h.kind != KIND_MODEL) {
+    if (h.kind != (uint32_t)kind) {
         close(fd);
-        FAIL("%s is a DFlash drafter, not a model\n  hint: pass it with -d, and the target model first", path);
+        if (kind == KIND_MODEL)
+            FAIL("%s is a DFlash drafter, not a model\n  hint: give the target model first and the drafter with -d", path);
+        FAIL("%s is not a DFlash drafter\n  hint: -d takes a drafter exported with export.py from its checkpoint", path);
     }
     if (h.file_size != size) {
         close(fd);
@@ -396,7 +410,7 @@ static void free_state(Model *m) {
     if (!s->x) return;
     free(s->x); free(s->xb); free(s->q); free(s->k); free(s->v); free(s->att); free(s->gate);
     free(s->hb); free(s->hb2); free(s->mlp_out); free(s->router_logits); free(s->topk_idx); free(s->topk_w);
-    free(s->expert_in); free(s->expert_out); free(s->scores); free(s->logits);
+    free(s->expert_in); free(s->expert_out); free(s->scores); free(s->logits); free(s->taps);
     for (int l = 0; l < m->config.n_layers; l++) { free(s->key_cache[l]); free(s->value_cache[l]); }
     free(s->key_cache); free(s->value_cache); free(s->cache_rows);
     memset(s, 0, sizeof *s);
@@ -512,14 +526,15 @@ static void attention(Model *m, int l, int n, int pos) {
         int kvh = h / group;                  /* GQA: contiguous groups of query heads share a kv head */
         int start = sliding ? p - c->sliding_window + 1 : 0;  /* window: keys p-W+1..p, self included */
         if (start < 0) start = 0;
-        for (int u = start; u <= p; u++) {
+        int end = c->causal ? p : pos + n - 1;  /* a non-causal drafter block also sees the keys after it */
+        for (int u = start; u <= end; u++) {
             const float *k = kc + (size_t)(u % rows) * KVD + (size_t)kvh * D;
             sc[u - start] = dot_f32(q, k, D) * scale;
         }
-        softmax(sc, p - start + 1);
+        softmax(sc, end - start + 1);
         float *o = s->att + (size_t)t * nh * D + (size_t)h * D;
         memset(o, 0, D * sizeof(float));
-        for (int u = start; u <= p; u++) {
+        for (int u = start; u <= end; u++) {
             const float *v = vc + (size_t)(u % rows) * KVD + (size_t)kvh * D;
             float a = sc[u - start];
             for (int d = 0; d < D; d++) o[d] += a * v[d];
@@ -685,6 +700,12 @@ float *forward(Model *m, const int *tokens, int n, int pos, int all_logits) {
         if (c->mlp_type[l] == MLP_DENSE) dense_mlp(m, &lw->w_gate, &lw->w_up, &lw->w_down, c->hidden_dim, n, s->mlp_out);
         else moe(m, l, n);
         for (size_t i = 0; i < (size_t)n * H; i++) s->x[i] += s->mlp_out[i];
+
+        /* DFlash taps: the residual stream after this layer, for every row (the last layer's before the final norm) */
+        for (int i = 0; s->taps && i < s->n_taps; i++)
+            if (s->tap_layers[i] == l)
+                for (int t = 0; t < n; t++)
+                    memcpy(s->taps + ((size_t)t * s->n_taps + i) * H, s->x + (size_t)t * H, H * sizeof(float));
     }
 
     /* final norm and lm_head (for every row, or just the last) */
@@ -779,6 +800,8 @@ static int sample(Sampler *sp, const float *logits) {
 /* ----------------------------------------------------------------------------
  * generation, scoring and chat */
 
+typedef struct DFlash DFlash;   /* speculative decoding state, below */
+
 typedef struct {
     const char *model_path;
     const char *prompt;
@@ -788,7 +811,11 @@ typedef struct {
     const char *logits_out;
     const char *tokenize_text;
     const char *mode;
+    const char *draft_path;
+    const char *taps_out;
+    const char *draft_logits_out;
     int steps, ctx, seed_set, raw, cpu, ids_mode, think, chunk, quiet;
+    int draft_max, compare, samples;
     float temperature, topp;
     unsigned long long seed;
 } Options;
@@ -843,7 +870,7 @@ static void check_fits(int n_prompt, int ctx) {
 }
 
 /* --score: one teacher-forced pass; mean NLL and perplexity of tokens 2..n, logits optionally saved */
-static int run_score(Engine *e, const Options *o) {
+static int run_score(Engine *e, DFlash *df, const Options *o) {
     Config *c = &e->m->config;
     char *text = read_file(o->score_file, NULL);
     int n;
@@ -851,8 +878,10 @@ static int run_score(Engine *e, const Options *o) {
     free(text);
     if (n < 2) die("%s: --score needs at least 2 token ids", o->score_file);
     check_fits(n, e->m->state.ctx);
-    FILE *lf = NULL;
+    FILE *lf = NULL, *tf = NULL;
     if (o->logits_out && !(lf = fopen(o->logits_out, "wb"))) die("cannot write %s: %s", o->logits_out, strerror(errno));
+    if (o->taps_out && !df) die("--taps needs -d DRAFTER (it names the tap layers)");
+    if (o->taps_out && !(tf = fopen(o->taps_out, "wb"))) die("cannot write %s: %s", o->taps_out, strerror(errno));
     double nll = 0.0;
     int step = engine_max_tokens(e), V = c->vocab_size;
     double t0 = now_s();
@@ -860,6 +889,8 @@ static int run_score(Engine *e, const Options *o) {
         int k = n - i < step ? n - i : step;
         float *logits = engine_forward(e, ids + i, k, i, 1);
         if (lf && fwrite(logits, sizeof(float), (size_t)k * V, lf) != (size_t)k * V) die("write to %s failed", o->logits_out);
+        size_t nt = tf ? (size_t)k * e->m->state.n_taps * c->dim : 0;
+        if (tf && fwrite(e->m->state.taps, sizeof(float), nt, tf) != nt) die("write to %s failed", o->taps_out);
         for (int r = 0; r < k; r++) {
             int t = i + r;                 /* row t predicts token t+1 */
             if (t + 1 >= n) break;
@@ -872,6 +903,7 @@ static int run_score(Engine *e, const Options *o) {
     }
     double dt = now_s() - t0;
     if (lf) fclose(lf);
+    if (tf) fclose(tf);
     nll /= (n - 1);
     printf("tokens %d  mean_nll %.6f  perplexity %.4f\n", n, nll, exp(nll));
     fprintf(stderr, "scored %d tokens in %.2f s (%.1f tok/s)\n", n, dt, n / dt);
@@ -884,9 +916,17 @@ typedef struct {
     TokenDecoder dec;
     int dim;                 /* showing reasoning: dimmed until </think> (on a terminal) */
     int think_end;           /* id of </think> */
+    int silent;              /* print nothing (the --compare rerun) */
+    FILE *trace;             /* test hook (--logits while generating): the logits row behind each token */
+    int vocab;
 } Printer;
 
+static void trace_logits(Printer *p, const float *row) {
+    if (p->trace && fwrite(row, sizeof(float), p->vocab, p->trace) != (size_t)p->vocab) die("writing --logits failed");
+}
+
 static void print_token(Printer *p, int id, int ids_mode) {
+    if (p->silent) return;
     if (ids_mode || !p->tok) { printf("%d ", id); fflush(stdout); return; }
     size_t len;
     const char *text = tokenizer_decode_next(&p->dec, id, &len);
@@ -903,6 +943,7 @@ static int generate(Engine *e, Sampler *sp, Printer *pr, const float *logits, in
     double t0 = now_s();
     while (n < steps && pos < e->m->state.ctx) {
         int next = sample(sp, logits);
+        trace_logits(pr, logits);
         if (out_ids) out_ids[n] = next;
         n++;
         if (is_eos(c, next) || next == stop_id) break;
@@ -917,6 +958,252 @@ static int generate(Engine *e, Sampler *sp, Printer *pr, const float *logits, in
 static void report(int n_prompt, double prefill_s, int n_gen, double decode_s) {
     fprintf(stderr, "\nprompt: %d tokens, %.1f tok/s | generated: %d tokens, %.2f tok/s\n", n_prompt,
             prefill_s > 0 ? n_prompt / prefill_s : 0.0, n_gen, decode_s > 0 && n_gen > 1 ? (n_gen - 1) / decode_s : 0.0);
+}
+
+
+/* ----------------------------------------------------------------------------
+ * speculative decoding with a DFlash drafter
+ *
+ * The drafter sees the target's residual stream at a few layers ("taps") for every committed token,
+ * fused into one context vector per position and projected into each draft layer's K/V cache. One
+ * drafter forward over [bonus, MASK x (B-1)] at positions P..P+B-1 proposes B-1 tokens (slot o predicts
+ * position P+o); one target forward over [bonus, drafts] verifies them all. The longest prefix the
+ * target agrees with is kept, plus the target's own next token; the target cache simply continues from
+ * the first rejected position (the ring holds W + max_tokens - 1 rows, so that rollback is safe) and
+ * only the accepted positions' taps become new drafter context. */
+
+struct DFlash {
+    Model *d;                /* the drafter; its RunState holds its K/V cache (context + block) */
+    int block;               /* tokens per verify: bonus + up to block-1 drafts */
+    float *cat;              /* [max_tokens, n_taps*H] per-tap normed target states, concatenated */
+    float *ctx;              /* [max_tokens, H] fused context */
+    long steps, drafted, accepted;
+    long accepted_at[64];    /* verify steps whose draft slot i (0-based) was accepted */
+};
+
+/* Append target taps [n, n_taps, H] for positions pos..pos+n-1 as drafter context: per-tap RMSNorm,
+ * fc, hidden_norm; then per draft layer input_layernorm -> K (k_norm, RoPE at the absolute position), V. */
+static void drafter_add_context(DFlash *df, const float *taps, int n, int pos) {
+    Model *d = df->d;
+    Config *c = &d->config;
+    RunState *s = &d->state;
+    Weights *w = &d->weights;
+    int H = c->dim, KVD = c->kv_dim, NT = c->n_taps;
+    for (int r0 = 0; r0 < n; r0 += s->max_tokens) {
+        int k = n - r0 < s->max_tokens ? n - r0 : s->max_tokens;
+        for (int t = 0; t < k; t++)
+            for (int i = 0; i < NT; i++)
+                rmsnorm(df->cat + ((size_t)t * NT + i) * H, taps + ((size_t)(r0 + t) * NT + i) * H,
+                        w->aux_norm[i].data, 1, H, c->norm_eps);
+        matmul(df->ctx, df->cat, &w->fc, 0, k, NT * H, H);
+        rmsnorm(df->ctx, df->ctx, w->hidden_norm.data, k, H, c->norm_eps);
+        for (int l = 0; l < c->n_layers; l++) {
+            LayerWeights *lw = &w->layers[l];
+            int type = c->layer_type[l], rows = s->cache_rows[l];
+            rmsnorm(s->xb, df->ctx, lw->attn_norm.data, k, H, c->norm_eps);
+            matmul(s->k, s->xb, &lw->wk, 0, k, H, KVD);
+            matmul(s->v, s->xb, &lw->wv, 0, k, H, KVD);
+            rmsnorm(s->k, s->k, lw->k_norm.data, k * c->n_kv_heads, c->head_dim, c->norm_eps);
+            for (int t = 0; t < k; t++) {
+                int p = pos + r0 + t;
+                for (int h = 0; h < c->n_kv_heads; h++)
+                    rope(s->k + (size_t)t * KVD + (size_t)h * c->head_dim, p, w->inv_freq[type], c->rotary_dim[type],
+                         c->rope_scaling[type]);
+                memcpy(s->key_cache[l] + (size_t)(p % rows) * KVD, s->k + (size_t)t * KVD, KVD * sizeof(float));
+                memcpy(s->value_cache[l] + (size_t)(p % rows) * KVD, s->v + (size_t)t * KVD, KVD * sizeof(float));
+            }
+        }
+    }
+}
+
+/* One drafter forward: [bonus, MASK...] at P..P+nblk-1 -> logits [nblk, V]; drafts are rows 1..nblk-1. */
+static float *draft_block(DFlash *df, int bonus, int P, int nblk) {
+    int toks[64];
+    toks[0] = bonus;
+    for (int o = 1; o < nblk; o++) toks[o] = df->d->config.mask_id;
+    return forward(df->d, toks, nblk, P, 1);
+}
+
+/* The target forward that also captures the taps (CPU engine). */
+static float *forward_with_taps(Engine *e, DFlash *df, const int *tokens, int n, int pos, int all_logits,
+                                int ctx_from) {
+    RunState *s = &e->m->state;
+    float *logits = forward(e->m, tokens, n, pos, all_logits);
+    int skip = ctx_from > pos ? ctx_from - pos : 0;   /* context older than the drafter's window is never read */
+    if (skip < n) drafter_add_context(df, s->taps + (size_t)skip * s->n_taps * e->m->config.dim, n - skip, pos + skip);
+    return logits;
+}
+
+/* Prefill the prompt on the target, capturing taps, and give the drafter its context. */
+static float *prefill_dflash(Engine *e, DFlash *df, const int *tokens, int n) {
+    const Config *dc = &df->d->config;
+    int ctx_from = dc->sliding_window ? n - dc->sliding_window : 0;
+    float *logits = NULL;
+    int step = engine_max_tokens(e);
+    for (int i = 0; i < n; i += step) {
+        int k = n - i < step ? n - i : step;
+        logits = forward_with_taps(e, df, tokens + i, k, i, 0, ctx_from);
+    }
+    return logits;
+}
+
+/* The sampler's distribution for one row of logits (temperature, then top-p), into p. */
+static void target_probs(Sampler *sp, const float *logits, float *p) {
+    int V = sp->vocab;
+    for (int i = 0; i < V; i++) p[i] = logits[i] / sp->temperature;
+    softmax(p, V);
+    if (sp->topp <= 0.0f || sp->topp >= 1.0f) return;
+    for (int i = 0; i < V; i++) sp->idx[i] = i;
+    qsort_r(sp->idx, V, sizeof(int), cmp_desc, p);
+    float mass = 0.0f;
+    int keep = V;
+    for (int i = 0; i < V; i++) { mass += p[sp->idx[i]]; if (mass > sp->topp) { keep = i + 1; break; } }
+    for (int i = keep; i < V; i++) p[sp->idx[i]] = 0.0f;
+    for (int i = 0; i < V; i++) p[i] /= mass;
+}
+
+static int sample_from(const float *p, int V, float r) {
+    float cdf = 0.0f;
+    int last = 0;
+    for (int i = 0; i < V; i++) {
+        if (p[i] <= 0.0f) continue;
+        cdf += p[i];
+        last = i;
+        if (r < cdf) return i;
+    }
+    return last;
+}
+
+/* Verify drafts d[0..nd-1] against the target's logits rows [nd+1, V] (row j predicts position P+j+1).
+ * Greedy: keep drafts while they equal the target's argmax. Sampling: accept d[j] with probability
+ * p_j(d[j]); on a rejection sample from p_j with d[j] removed; this leaves the output distribution exactly
+ * the target's (drafts are point masses). Returns the number accepted; *next is the token after them. */
+static int verify(Sampler *sp, const float *logits, const int *d, int nd, int *next) {
+    int V = sp->vocab;
+    if (sp->temperature == 0.0f) {
+        int acc = 0;
+        while (acc < nd && d[acc] == argmax(logits + (size_t)acc * V, V)) acc++;
+        *next = argmax(logits + (size_t)acc * V, V);
+        return acc;
+    }
+    static int biased = -1;          /* test hook: a deliberately wrong rule the statistical test must catch */
+    if (biased < 0) biased = getenv("LAGUNA_TEST_BIASED_ACCEPT") != NULL;
+    float *p = sp->probs;
+    for (int j = 0; j < nd; j++) {
+        target_probs(sp, logits + (size_t)j * V, p);
+        float r = random_f32(&sp->rng);
+        if (biased ? p[d[j]] > 0.0f : r < p[d[j]]) continue;
+        p[d[j]] = 0.0f;              /* rejected: the residual max(p - point mass, 0), renormalised */
+        float z = 0.0f;
+        for (int i = 0; i < V; i++) z += p[i];
+        *next = sample_from(p, V, random_f32(&sp->rng) * z);
+        return j;
+    }
+    target_probs(sp, logits + (size_t)nd * V, p);
+    *next = sample_from(p, V, random_f32(&sp->rng));
+    return nd;
+}
+
+/* Generate with the drafter; same contract as generate(). */
+static int generate_dflash(Engine *e, DFlash *df, Sampler *sp, Printer *pr, const float *logits, int P, int steps,
+                           int ids_mode, int *out_ids, double *decode_s) {
+    Config *c = &e->m->config;
+    int V = c->vocab_size, ctx = e->m->state.ctx, n = 0;
+    double t0 = now_s();
+    int bonus = sample(sp, logits);
+    trace_logits(pr, logits);
+    for (;;) {
+        /* the bonus token is committed output */
+        if (out_ids) out_ids[n] = bonus;
+        n++;
+        if (is_eos(c, bonus)) break;
+        print_token(pr, bonus, ids_mode);
+        if (n >= steps || P >= ctx) break;
+        int nblk = df->block;
+        if (nblk > ctx - P) nblk = ctx - P;
+        if (nblk > steps - n + 1) nblk = steps - n + 1;    /* no point drafting past -n */
+        int toks[64];
+        toks[0] = bonus;
+        if (nblk > 1) {
+            float *dl = draft_block(df, bonus, P, nblk);
+            for (int o = 1; o < nblk; o++) toks[o] = argmax(dl + (size_t)o * V, V);
+        }
+        float *tl = forward_with_taps(e, df, toks, nblk, P, 1, P + nblk);   /* taps kept below */
+        int next, acc = verify(sp, tl, toks + 1, nblk - 1, &next);
+        df->steps++;
+        df->drafted += nblk - 1;
+        df->accepted += acc;
+        for (int j = 0; j < acc; j++) df->accepted_at[j]++;
+        /* drafter context: the taps of the committed rows P..P+acc (the bonus and the accepted drafts) */
+        drafter_add_context(df, e->m->state.taps, acc + 1, P);
+        int stop = 0;
+        for (int j = 0; j < acc; j++) {          /* the accepted drafts are committed output */
+            int tok = toks[1 + j];
+            trace_logits(pr, tl + (size_t)j * V);
+            if (out_ids) out_ids[n] = tok;
+            n++;
+            if (is_eos(c, tok)) { stop = 1; break; }
+            print_token(pr, tok, ids_mode);
+            if (n >= steps) { stop = 1; break; }
+        }
+        if (stop) break;
+        trace_logits(pr, tl + (size_t)acc * V);
+        P += acc + 1;
+        bonus = next;
+    }
+    *decode_s = now_s() - t0;
+    return n;
+}
+
+static void dflash_report(const DFlash *df, double tok_s) {
+    if (!df->steps) return;
+    fprintf(stderr, "dflash: %ld verify steps, %ld drafted, %ld accepted, acceptance %.3f, mean length tau %.2f, "
+            "%.2f tok/s\n", df->steps, df->drafted, df->accepted,
+            df->drafted ? (double)df->accepted / df->drafted : 0.0, 1.0 + (double)df->accepted / df->steps, tok_s);
+    fprintf(stderr, "dflash: acceptance per block position:");
+    for (int i = 0; i < df->block - 1; i++) fprintf(stderr, " %.2f", (double)df->accepted_at[i] / df->steps);
+    fprintf(stderr, "\n");
+}
+
+/* Load the drafter and check that it fits the target. */
+static void dflash_init(DFlash *df, Model *d, const char *path, Model *target, int draft_max, int ctx) {
+    char err[1024];
+    memset(df, 0, sizeof *df);
+    if (load_model(d, path, KIND_DRAFTER, err, sizeof err)) die("%s", err);
+    Config *dc = &d->config, *tc = &target->config;
+    if (dc->vocab_size != tc->vocab_size)
+        die("the drafter's vocabulary (%d) does not match the target's (%d)\n  hint: use the drafter trained for this "
+            "model", dc->vocab_size, tc->vocab_size);
+    if (dc->dim != tc->dim)
+        die("the drafter's hidden size (%d) does not match the target's (%d)\n  hint: use the drafter trained for this "
+            "model", dc->dim, tc->dim);
+    if (dc->n_target_layers && dc->n_target_layers != tc->n_layers)
+        die("the drafter was trained on a %d-layer target, this model has %d layers", dc->n_target_layers, tc->n_layers);
+    for (int i = 0; i < dc->n_taps; i++)
+        if (dc->tap_layers[i] < 0 || dc->tap_layers[i] >= tc->n_layers)
+            die("the drafter taps target layer %d, but the model has layers 0..%d\n  hint: use the drafter trained "
+                "for this model", dc->tap_layers[i], tc->n_layers - 1);
+    if (dc->mask_id < 0 || dc->mask_id >= tc->vocab_size) die("the drafter's mask token %d is outside the vocabulary", dc->mask_id);
+    d->weights.embed = target->weights.embed;       /* the drafter shares the target's embedding and lm_head */
+    d->weights.lm_head = target->weights.lm_head;
+    df->d = d;
+    df->block = dc->block_size;
+    if (draft_max > 0 && draft_max + 1 < df->block) df->block = draft_max + 1;
+    if (df->block > 64) df->block = 64;
+    alloc_state(d, ctx, df->block);
+    df->cat = xcalloc((size_t)df->block * dc->n_taps * dc->dim, sizeof(float));
+    df->ctx = xcalloc((size_t)df->block * dc->dim, sizeof(float));
+    /* the target captures the taps of every row it runs */
+    RunState *ts = &target->state;
+    ts->taps = xcalloc((size_t)ts->max_tokens * dc->n_taps * tc->dim, sizeof(float));
+    ts->tap_layers = dc->tap_layers;
+    ts->n_taps = dc->n_taps;
+}
+
+static void dflash_free(DFlash *df) {
+    free(df->cat);
+    free(df->ctx);
+    free_model(df->d);
 }
 
 /* ----------------------------------------------------------------------------
@@ -941,8 +1228,18 @@ static void usage(FILE *f) {
         "  --chunk N     most tokens per forward pass (prefill chunk; default 64 on the CPU)\n"
         "  --tokenize TEXT        print the token ids of TEXT (no BOS) and exit\n"
         "  --score IDS_FILE       teacher-forced pass over the ids: mean NLL and perplexity of tokens 2..n\n"
-        "  --logits OUT           with --score: write float32 logits [n][vocab] to OUT\n"
+        "  --logits OUT           with --score: write float32 logits [n][vocab] to OUT; while generating:\n"
+        "                         the logits row each generated token was sampled from\n"
+        "  -d DRAFT.bin  speculative decoding with a DFlash drafter (export.py converts it too)\n"
+        "  --draft-max N draft at most N tokens per step (1..15; default: the drafter's block - 1)\n"
+        "  --compare     with -d: run again without the drafter and print the speedup\n"
         "  -q            quiet: no load or speed lines\n"
+        "\n"
+        "test hooks:\n"
+        "  --samples N            run N times with seeds derived from -s; one line of token ids each\n"
+        "  --taps OUT             with --score and -d: write the target's tap states float32 [n][taps][hidden]\n"
+        "  --draft-logits OUT     with --ids and -d: prefill all but the last id, draft a block with the last\n"
+        "                         id as the bonus token, write float32 logits [block-1][vocab]\n"
         "  -h, --help    this help\n");
 }
 
@@ -974,6 +1271,12 @@ static void parse_args(int argc, char **argv, Options *o) {
         else if (!strcmp(a, "--score")) o->score_file = NEXT();
         else if (!strcmp(a, "--logits")) o->logits_out = NEXT();
         else if (!strcmp(a, "-q")) o->quiet = 1;
+        else if (!strcmp(a, "-d")) o->draft_path = NEXT();
+        else if (!strcmp(a, "--draft-max")) o->draft_max = atoi(NEXT());
+        else if (!strcmp(a, "--compare")) o->compare = 1;
+        else if (!strcmp(a, "--samples")) o->samples = atoi(NEXT());
+        else if (!strcmp(a, "--taps")) o->taps_out = NEXT();
+        else if (!strcmp(a, "--draft-logits")) o->draft_logits_out = NEXT();
         else if (a[0] == '-' && a[1]) die("unknown option %s (see --help)", a);
         else if (!o->model_path) o->model_path = a;
         else if (!o->prompt) o->prompt = a;
@@ -987,7 +1290,9 @@ static void parse_args(int argc, char **argv, Options *o) {
     if (o->ctx < 0) die("-c must be > 0");
     if (o->chunk < 0) die("--chunk must be > 0");
     if (strcmp(o->mode, "generate") && strcmp(o->mode, "chat")) die("-m must be generate or chat");
-    if (o->logits_out && !o->score_file) die("--logits goes with --score");
+    if (o->draft_max && (o->draft_max < 1 || o->draft_max > 63)) die("--draft-max must be in 1..15 (the block size - 1)");
+    if ((o->compare || o->draft_max) && !o->draft_path) die("--compare and --draft-max go with -d DRAFTER");
+    if (o->samples < 0) die("--samples must be >= 0");
 }
 
 /* Choose the context: the model's maximum by default, lowered when the KV cache would not fit. */
@@ -1014,17 +1319,75 @@ static int *encode_or_die(Tokenizer *tok, const char *text, int *n) {
 
 static int chat_loop(Engine *e, Sampler *sp, Printer *pr, const Options *o);
 
+/* The prompt as token ids: --ids, --raw (BOS + text), or the chat template (default). malloc'd. */
+static int *build_prompt(const Options *o, const Config *c, Tokenizer *tok, const char *prompt, int *n) {
+    char err[1024];
+    *n = 0;
+    if (o->ids_mode) return parse_ids(prompt, c->vocab_size, n, "prompt");
+    if (!tok) die("%s has no tokenizer: give the prompt as token ids with --ids", o->model_path);
+    if (o->raw) {
+        int m = 0, *body = encode_or_die(tok, prompt, &m);
+        int *ids = xcalloc(m + 1, sizeof(int));
+        if (c->bos_id >= 0) ids[(*n)++] = c->bos_id;
+        memcpy(ids + *n, body, m * sizeof(int));
+        *n += m;
+        free(body);
+        return ids;
+    }
+    ChatMessage msgs[2];
+    int nm = 0;
+    if (o->system) msgs[nm++] = (ChatMessage){"system", o->system, NULL};
+    msgs[nm++] = (ChatMessage){"user", prompt, NULL};
+    char *text = tokenizer_render_chat(tok, msgs, nm, 1, o->think, err, sizeof err);
+    if (!text) die("%s", err);
+    int *ids = encode_or_die(tok, text, n);
+    free(text);
+    return ids;
+}
+
+/* Prefill and generate once (with the drafter when df is set); out_ids gets what was sampled. */
+static int run_once(Engine *e, DFlash *df, Sampler *sp, Printer *pr, const Options *o, const int *ids, int n,
+                    int *out_ids, double *prefill_s, double *decode_s) {
+    int ctx = e->m->state.ctx;
+    int steps = o->steps < ctx - n ? o->steps : ctx - n;
+    double t0 = now_s();
+    float *logits = df ? prefill_dflash(e, df, ids, n) : prefill(e, ids, n, 0);
+    *prefill_s = now_s() - t0;
+    if (steps <= 0) { *decode_s = 0; return 0; }
+    if (df) return generate_dflash(e, df, sp, pr, logits, n, steps, o->ids_mode, out_ids, decode_s);
+    return generate(e, sp, pr, logits, n, steps, o->ids_mode, -1, out_ids, decode_s);
+}
+
+static void finish_output(Printer *pr) {
+    if (pr->tok) { size_t len; const char *rest = tokenizer_decode_flush(&pr->dec, &len); fwrite(rest, 1, len, stdout); }
+    if (pr->dim) { fputs("\033[0m", stdout); pr->dim = 0; }
+    printf("\n");
+    fflush(stdout);
+}
+
+/* --draft-logits: the drafter's logits for a block whose bonus token is the last prompt id (a test hook). */
+static void dump_draft_logits(Engine *e, DFlash *df, const int *ids, int n, const char *path) {
+    if (n < 2) die("--draft-logits needs at least 2 prompt ids");
+    prefill_dflash(e, df, ids, n - 1);
+    float *dl = draft_block(df, ids[n - 1], n - 1, df->block);
+    FILE *f = fopen(path, "wb");
+    if (!f) die("cannot write %s: %s", path, strerror(errno));
+    size_t cnt = (size_t)(df->block - 1) * e->m->config.vocab_size;
+    if (fwrite(dl + e->m->config.vocab_size, sizeof(float), cnt, f) != cnt) die("write to %s failed", path);
+    fclose(f);
+}
+
 #ifndef TESTING
 int main(int argc, char **argv) {
     Options o;
     parse_args(argc, argv, &o);
-    static Model model;
+    static Model model, draft;
     char err[1024];
-    if (load_model(&model, o.model_path, err, sizeof err)) die("%s", err);
+    if (load_model(&model, o.model_path, KIND_MODEL, err, sizeof err)) die("%s", err);
     Config *c = &model.config;
 
     Tokenizer tok;
-    int have_tok = 0;
+    Tokenizer *tk = NULL;
     const TensorEntry *te = find_tensor(&model, "tokenizer");
     if (te) {
         if (tokenizer_init(&tok, (const unsigned char *)model.map + te->offset, (uint64_t)te->shape[0], err,
@@ -1033,97 +1396,116 @@ int main(int argc, char **argv) {
         if (tokenizer_vocab_size(&tok) > c->vocab_size)
             die("the tokenizer has %d ids but the model only %d\n  hint: re-run export.py", tokenizer_vocab_size(&tok),
                 c->vocab_size);
-        have_tok = 1;
+        tk = &tok;
     }
     if (o.tokenize_text) {
-        if (!have_tok) die("%s has no tokenizer\n  hint: export it from a directory with tokenizer.json", o.model_path);
+        if (!tk) die("%s has no tokenizer\n  hint: export it from a directory with tokenizer.json", o.model_path);
         int n;
-        int *ids = encode_or_die(&tok, o.tokenize_text, &n);
+        int *ids = encode_or_die(tk, o.tokenize_text, &n);
         for (int i = 0; i < n; i++) printf(i ? " %d" : "%d", ids[i]);
         printf("\n");
         free(ids);
-        tokenizer_free(&tok);
+        tokenizer_free(tk);
         free_model(&model);
         return 0;
     }
 
     int max_tokens = o.chunk ? o.chunk : 64;
+    if (o.draft_path && max_tokens < 64) max_tokens = 64;   /* a verify block must fit in one forward */
     int ctx = choose_ctx(c, &o, max_tokens);
     if (max_tokens > ctx) max_tokens = ctx;
     Engine eng = {&model, NULL};
     char info[256] = "";
     if (!o.cpu && gpu_available(info, sizeof info)) {
-        eng.gpu = gpu_init(&model, ctx, max_tokens, err, sizeof err);
-        if (!eng.gpu) die("%s", err);
+        if (o.draft_path) {
+            if (!o.quiet) fprintf(stderr, "note: DFlash runs on the CPU backend in this version\n");
+        } else {
+            eng.gpu = gpu_init(&model, ctx, max_tokens, err, sizeof err);
+            if (!eng.gpu) die("%s", err);
+        }
     }
     alloc_state(&model, ctx, max_tokens);   /* the CPU state also sizes the chunking for the GPU */
+    DFlash dfs, *df = NULL;
+    if (o.draft_path) {
+        dflash_init(&dfs, &draft, o.draft_path, &model, o.draft_max, ctx);
+        df = &dfs;
+    }
     if (!o.quiet)
-        fprintf(stderr, "laguna: %s | %d layers, vocab %d, context %d | %s\n", o.model_path, c->n_layers,
-                c->vocab_size, ctx, eng.gpu ? info : "CPU");
+        fprintf(stderr, "laguna: %s | %d layers, vocab %d, context %d | %s%s\n", o.model_path, c->n_layers,
+                c->vocab_size, ctx, eng.gpu ? info : "CPU", df ? " | DFlash drafter" : "");
 
     int rc = 0;
     if (o.score_file) {
-        rc = run_score(&eng, &o);
+        rc = run_score(&eng, df, &o);
     } else {
         Sampler sp = {o.temperature, o.topp, o.seed_set ? o.seed : (unsigned long long)time(NULL), c->vocab_size,
                       xcalloc(c->vocab_size, sizeof(float)), xcalloc(c->vocab_size, sizeof(int))};
         if (sp.rng == 0) sp.rng = 0x9E3779B97F4A7C15ull;
         Printer pr = {0};
-        pr.tok = have_tok ? &tok : NULL;
-        if (have_tok) {
-            tokenizer_decoder_init(&pr.dec, &tok);
-            pr.think_end = tokenizer_token_id(&tok, "</think>");
+        pr.tok = tk;
+        pr.vocab = c->vocab_size;
+        if (o.logits_out && !(pr.trace = fopen(o.logits_out, "wb"))) die("cannot write %s: %s", o.logits_out, strerror(errno));
+        if (tk) {
+            tokenizer_decoder_init(&pr.dec, tk);
+            pr.think_end = tokenizer_token_id(tk, "</think>");
         }
         if (!strcmp(o.mode, "chat")) {
-            if (!have_tok) die("chat needs a tokenizer in the model file");
+            if (!tk) die("chat needs a tokenizer in the model file");
+            if (df) die("-m chat does not use a drafter yet\n  hint: drop -d for chat");
             rc = chat_loop(&eng, &sp, &pr, &o);
         } else {
             char *prompt_buf = o.prompt_file ? read_file(o.prompt_file, NULL) : NULL;
-            const char *prompt = prompt_buf ? prompt_buf : o.prompt ? o.prompt : "";
-            int n = 0, *ids = NULL;
-            if (o.ids_mode) {
-                ids = parse_ids(prompt, c->vocab_size, &n, "prompt");
-            } else {
-                if (!have_tok) die("%s has no tokenizer: give the prompt as token ids with --ids", o.model_path);
-                if (o.raw) {
-                    int m = 0, *body = encode_or_die(&tok, prompt, &m);
-                    ids = xcalloc(m + 1, sizeof(int));
-                    if (c->bos_id >= 0) ids[n++] = c->bos_id;
-                    memcpy(ids + n, body, m * sizeof(int));
-                    n += m;
-                    free(body);
-                } else {
-                    ChatMessage msgs[2];
-                    int nm = 0;
-                    if (o.system) msgs[nm++] = (ChatMessage){"system", o.system, NULL};
-                    msgs[nm++] = (ChatMessage){"user", prompt, NULL};
-                    char *text = tokenizer_render_chat(&tok, msgs, nm, 1, o.think, err, sizeof err);
-                    if (!text) die("%s", err);
-                    ids = encode_or_die(&tok, text, &n);
-                    free(text);
-                }
-            }
+            int n = 0, *ids = build_prompt(&o, c, tk, prompt_buf ? prompt_buf : o.prompt ? o.prompt : "", &n);
             if (n == 0) die("empty prompt\n  hint: give a prompt, or use --raw with a BOS-only start");
             check_fits(n, ctx);
-            if (o.think && !o.raw && !o.ids_mode && isatty(1)) { fputs("\033[2m", stdout); pr.dim = 1; }
-            double t0 = now_s();
-            float *logits = prefill(&eng, ids, n, 0);
-            double prefill_s = now_s() - t0, decode_s = 0;
-            int steps = o.steps < ctx - n ? o.steps : ctx - n;
-            int n_gen = generate(&eng, &sp, &pr, logits, n, steps, o.ids_mode, -1, NULL, &decode_s);
-            if (pr.tok) { size_t len; const char *rest = tokenizer_decode_flush(&pr.dec, &len); fwrite(rest, 1, len, stdout); }
-            if (pr.dim) fputs("\033[0m", stdout);
-            printf("\n");
-            if (!o.quiet) report(n, prefill_s, n_gen, decode_s);
+            int *out = xcalloc((size_t)o.steps + 1, sizeof(int));
+            double prefill_s = 0, decode_s = 0;
+            if (o.draft_logits_out) {
+                if (!df) die("--draft-logits needs -d DRAFTER");
+                dump_draft_logits(&eng, df, ids, n, o.draft_logits_out);
+            } else if (o.samples > 0) {          /* many seeded runs, one line of ids each (statistics) */
+                for (int r = 0; r < o.samples; r++) {
+                    sp.rng = (o.seed_set ? o.seed : 1) + (unsigned long long)r * 0x9E3779B97F4A7C15ull;
+                    if (!sp.rng) sp.rng = 1;
+                    run_once(&eng, df, &sp, &pr, &o, ids, n, out, &prefill_s, &decode_s);
+                    finish_output(&pr);
+                }
+            } else {
+                if (o.think && !o.raw && !o.ids_mode && isatty(1)) { fputs("\033[2m", stdout); pr.dim = 1; }
+                int n_gen = run_once(&eng, df, &sp, &pr, &o, ids, n, out, &prefill_s, &decode_s);
+                finish_output(&pr);
+                if (!o.quiet) report(n, prefill_s, n_gen, decode_s);
+                if (df && !o.quiet) dflash_report(df, n_gen > 1 ? (n_gen - 1) / decode_s : 0.0);
+                if (df && o.compare) {           /* the same prompt without the drafter */
+                    int *plain = xcalloc((size_t)o.steps + 1, sizeof(int));
+                    Printer quiet_pr = {0};
+                    quiet_pr.silent = 1;
+                    float *saved_taps = model.state.taps;
+                    model.state.taps = NULL;     /* no taps needed */
+                    double p2, d2;
+                    sp.rng = o.seed_set ? o.seed : 1;
+                    int n2 = run_once(&eng, NULL, &sp, &quiet_pr, &o, ids, n, plain, &p2, &d2);
+                    double with = n_gen > 1 ? (n_gen - 1) / decode_s : 0, without = n2 > 1 ? (n2 - 1) / d2 : 0;
+                    int same = n2 == n_gen && !memcmp(plain, out, n2 * sizeof(int));
+                    fprintf(stderr, "compare: without the drafter %.2f tok/s, with %.2f tok/s: speedup %.2fx; "
+                            "outputs %s\n", without, with, without > 0 ? with / without : 0.0,
+                            same ? "identical" : o.temperature == 0 ? "DIFFER" : "differ (sampling)");
+                    free(plain);
+                    model.state.taps = saved_taps;
+                }
+            }
+            free(out);
             free(ids);
             free(prompt_buf);
         }
         if (pr.tok) tokenizer_decoder_free(&pr.dec);
+        if (pr.trace) fclose(pr.trace);
         free(sp.probs);
         free(sp.idx);
     }
+    if (df) dflash_free(df);
     if (eng.gpu) gpu_free(eng.gpu);
-    if (have_tok) tokenizer_free(&tok);
+    if (tk) tokenizer_free(tk);
     free_model(&model);
     return rc;
 }

@@ -17,6 +17,7 @@
 #define LAGUNA_ALIGN 256
 #define LAGUNA_MAX_LAYERS 1024
 #define LAGUNA_MAX_EOS 16
+#define LAGUNA_MAX_TAPS 16
 
 enum { DT_F32 = 0, DT_BF16 = 1, DT_U8 = 2 };
 enum { KIND_MODEL = 0, KIND_DRAFTER = 1 };
@@ -79,6 +80,12 @@ typedef struct {
     int n_eos;
     int rotary_dim[2];       /* per attention type: dims rotated (64 full / 128 sliding) */
     float rope_scaling[2];   /* per attention type: cos/sin multiplier (YaRN attention factor) */
+    /* DFlash drafter files only (KIND_DRAFTER) */
+    int block_size;          /* tokens per draft block: the bonus token + block_size-1 drafts (16) */
+    int n_taps;              /* target layers whose outputs feed the drafter (5) */
+    int tap_layers[LAGUNA_MAX_TAPS]; /* e.g. 1 13 25 33 39: the residual stream after these target layers */
+    int causal;              /* attention inside the draft block is causal (Laguna: yes) */
+    int n_target_layers;     /* the target the drafter was trained on (0 = not recorded) */
     /* derived */
     int max_heads;           /* max over layers of n_heads */
     int kv_dim;              /* n_kv_heads * head_dim */
@@ -110,6 +117,10 @@ typedef struct {
     Tensor final_norm;       /* [H] f32 */
     Tensor lm_head;          /* [V, H] */
     const float *inv_freq[2];/* per attention type: [rotary_dim/2] */
+    /* DFlash drafter: context fusion (embed and lm_head are the target's) */
+    Tensor fc;               /* [H, n_taps*H] */
+    Tensor hidden_norm;      /* [H] f32 */
+    Tensor aux_norm[LAGUNA_MAX_TAPS]; /* [H] f32 per tap */
 } Weights;
 
 /* Everything one forward pass over up to max_tokens tokens needs (CPU path). */
@@ -131,6 +142,9 @@ typedef struct {
     float *expert_out;       /* [T, k, H] per (token, slot) expert output */
     float *scores;           /* [n_threads, ctx] attention scores scratch */
     float *logits;           /* [T, V] */
+    float *taps;             /* [T, n_taps, H] residual stream after the tap layers (NULL: not captured) */
+    const int *tap_layers;   /* which layers to capture (the drafter's list) */
+    int n_taps;
     float **key_cache;       /* per layer: [rows, KV*D], K after k_norm and RoPE */
     float **value_cache;     /* per layer: [rows, KV*D] */
     int *cache_rows;         /* per layer: ctx (full) or a ring of W + max_tokens - 1 (sliding) */
@@ -148,10 +162,14 @@ typedef struct {
     const TensorEntry *dir;
     uint64_t n_tensors;
     const char *path;
+    /* --random-weights SEED: every matmul weight is replaced by a counter hash of (seed, tensor name, element),
+     * identically on the CPU (laguna.c) and the GPU (laguna.cu); for benchmarks on sparse synthetic files */
+    int random_weights;
+    uint64_t random_seed;
 } Model;
 
 /* laguna.c */
-int load_model(Model *m, const char *path, char *err, size_t errsz);
+int load_model(Model *m, const char *path, int kind, char *err, size_t errsz);
 void free_model(Model *m);
 const TensorEntry *find_tensor(const Model *m, const char *name);
 float bf16_to_float(uint16_t b);
@@ -162,6 +180,11 @@ int gpu_available(char *info, size_t infosz);
 GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err, size_t errsz);
 /* forward over n tokens at positions pos..pos+n-1; returns host logits [n or 1, V] */
 float *gpu_forward(GpuModel *g, const int *tokens, int n, int pos, int all_logits);
+/* one decode step on the device (a CUDA graph): forward `token` at `pos`, then sample the next token there
+ * (temperature 0 = argmax; coin in [0,1) drives the top-p draw); only token ids cross to the host */
+int gpu_decode_step(GpuModel *g, int token, int pos, float temperature, float topp, float coin);
+/* "weights X GiB, KV cache Y GiB, ..." for the load line */
+const char *gpu_summary(GpuModel *g);
 void gpu_free(GpuModel *g);
 
 #endif

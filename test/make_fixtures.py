@@ -73,6 +73,9 @@ FIXTURES = {
                                     rope_parameters={"full_attention": dict(XS21_FULL, partial_rotary_factor=0.25),
                                                      "sliding_attention": dict(SLIDING, rope_theta=5000.0)}),
                     dtype="f32", prompt_len=33, gen=24),
+    # a 16-token vocabulary: exact token distributions for the DFlash sampling test
+    "v16": dict(cfg=base_config(vocab_size=16, eos_token_id=[15], bos_token_id=1, pad_token_id=0),
+                dtype="f32", prompt_len=12, gen=8),
     # a long run: thousands of positions, many trips around the sliding ring
     "long": dict(cfg=base_config(vocab_size=256, sliding_window=16,
                                  rope_parameters={"full_attention": dict(XS21_FULL),
@@ -108,6 +111,8 @@ def hexs(t):
 def main():
     if sys.argv[1:] == ["--rope-only"]:
         return rope_cases()
+    if sys.argv[1:] == ["--dflash-only"]:
+        return dflash_fixtures()
     print("transformers", transformers.__version__, "torch", torch.__version__)
     torch.manual_seed(0)
     os.makedirs(OUT, exist_ok=True)
@@ -117,7 +122,7 @@ def main():
             shutil.rmtree(d)
         hf = os.path.join(d, "hf")
         os.makedirs(hf)
-        gen = torch.Generator().manual_seed(hash(name) % 2**31)
+        gen = torch.Generator().manual_seed(zlib_crc(name))
         cfg = LagunaConfig(**fx["cfg"])
         model = LagunaForCausalLM(cfg).float().eval()
         randomize(model, cfg, gen)
@@ -139,7 +144,7 @@ def main():
             pass
         V = cfg.vocab_size
         n = fx["prompt_len"]
-        ids = torch.randint(70 if V > 512 else 3, V, (n,), generator=gen)
+        ids = torch.randint(70 if V > 512 else 3 if V > 16 else 1, V - 1 if V <= 16 else V, (n,), generator=gen)
         eos = set(cfg.eos_token_id if isinstance(cfg.eos_token_id, list) else [cfg.eos_token_id])
         with torch.no_grad():
             cont = []
@@ -177,6 +182,70 @@ def main():
         print(f"{name}: {len(score_ids)} tokens, greedy {len(cont)}, logits |max| {np.abs(logits).max():.3f}"
               + (f", {len(names)} tensors" if names else ""))
     rope_cases()
+    dflash_fixtures()
+
+
+# DFlash drafters for two of the targets: random weights in the on-disk layout of Laguna-XS-2.1-DFlash,
+# built with the reference module dev/dflash_ref.py, plus its draft logits on transformers' target taps
+DRAFTERS = {
+    "draft_xs2": dict(target="xs2_f32", cfg=dict(
+        architectures=["DFlashLagunaForCausalLM"], model_type="laguna", vocab_size=512, draft_vocab_size=512,
+        hidden_size=64, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, layer_types=["sliding_attention"] * 2, sliding_window=12, rms_norm_eps=1e-6, gating="per-head",
+        max_position_embeddings=262144, rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+        dflash_config={"block_size": 16, "mask_token_id": 12, "num_target_layers": 8, "target_layer_ids": [1, 4, 7],
+                       "causal": True}), checks=[5, 20, 40]),
+    "draft_v16": dict(target="v16", cfg=dict(
+        architectures=["DFlashLagunaForCausalLM"], model_type="laguna", vocab_size=16, draft_vocab_size=16,
+        hidden_size=64, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=16, layer_types=["full_attention"], rms_norm_eps=1e-6, gating="per-element",
+        max_position_embeddings=262144, rope_parameters={"full_attention": {"rope_type": "default",
+                                                                            "rope_theta": 500000.0}},
+        dflash_config={"block_size": 4, "mask_token_id": 12, "num_target_layers": 4, "target_layer_ids": [0, 3],
+                       "causal": False}), checks=[3, 12]),
+}
+
+
+def dflash_fixtures():
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "dev"))
+    from dflash_ref import LagunaDFlash, target_taps
+    from safetensors.torch import save_file
+    for name, dx in DRAFTERS.items():
+        d = os.path.join(OUT, name)
+        if os.path.exists(d):
+            shutil.rmtree(d)
+        os.makedirs(os.path.join(d, "hf"))
+        gen = torch.Generator().manual_seed(zlib_crc(name))
+        dr = LagunaDFlash(dx["cfg"]).float().eval()
+        with torch.no_grad():
+            for pname, p in dr.named_parameters():
+                if p.dim() >= 2:
+                    p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+                else:
+                    lo, hi = (0.8, 2.0) if ("q_norm" in pname or "k_norm" in pname) else (0.5, 1.5)
+                    p.copy_(torch.empty(p.shape).uniform_(lo, hi, generator=gen))
+        save_file(dr.state_for_disk(), os.path.join(d, "hf", "model.safetensors"))
+        with open(os.path.join(d, "hf", "config.json"), "w") as f:
+            json.dump(dx["cfg"], f, indent=1)
+        tgt = os.path.join(OUT, dx["target"])
+        ref = LagunaForCausalLM.from_pretrained(os.path.join(tgt, "hf"), dtype=torch.float32).eval()
+        ref.config._attn_implementation = "eager"
+        ref.config._experts_implementation = "eager"
+        ids = torch.tensor([int(x) for x in open(os.path.join(tgt, "score.txt")).read().split()])
+        taps = target_taps(ref, ids, dr.taps)
+        np.save(os.path.join(d, "taps.npy"), taps.numpy().astype(np.float32))
+        embed, lm_head = ref.model.embed_tokens.weight.detach(), ref.lm_head.weight.detach()
+        with torch.no_grad():
+            ctx = dr.context(taps)
+            for P in dx["checks"]:
+                lg = dr.draft_logits(ctx[:P], torch.arange(P), int(ids[P]), P, dr.block, embed, lm_head)
+                np.save(os.path.join(d, f"draft_logits_{P}.npy"), lg.numpy().astype(np.float32))
+        print(f"{name}: drafter for {dx['target']}, taps {dr.taps}, checks at {dx['checks']}")
+
+
+def zlib_crc(s):
+    import zlib
+    return zlib.crc32(s.encode())
 
 
 def rope_cases():

@@ -346,7 +346,11 @@ def test_valgrind_clean(exported, tmp_path):
              [exe, exported("xs2_f32"), "--score", fixture_file("xs2_f32", "score.txt"), "--logits",
               str(tmp_path / "l.bin"), "--chunk", "5", "-c", "128"],
              [exe, exported("xs21_bf16"), "def f(x):", "-n", "5", "-t", "0", "-c", "256"],
-             [exe, exported("xs21_bf16"), "--tokenize", "héllo wörld 123 <think>\r\n\n"]]
+             [exe, exported("xs21_bf16"), "--tokenize", "héllo wörld 123 <think>\r\n\n"],
+             [exe, exported("v16"), "-d", exported("draft_v16"), "--ids", "3 4 5 6 7", "-n", "12", "-t", "0.9",
+              "-s", "2", "--compare", "-c", "64"],
+             [exe, exported("xs2_f32"), "-d", exported("draft_xs2"), "--ids", prompt.replace(" 50", ""), "-n", "8",
+              "-t", "0", "--draft-max", "4", "-c", "128"]]
     for cmd in cases:
         r = run(vg + cmd, check=False)
         assert r.returncode == 0, (cmd, r.stderr[-3000:])

@@ -1,0 +1,168 @@
+#!/usr/bin/env python3
+"""A PyTorch module of the Laguna DFlash drafter, written from ../shared/spec/dflash.md (sections 2a-2d) and
+vLLM's laguna_dflash.py conventions. It is the reference the C drafter is checked against, and the model the
+tiny-model training will use. Standalone: needs torch only (safetensors to save/load).
+
+    drafter = LagunaDFlash(cfg)                        # cfg: the drafter's config.json as a dict
+    ctx = drafter.context(taps)                        # taps [T, n_taps, H] -> fused context [T, H]
+    logits = drafter.draft_logits(ctx, ctx_pos, bonus, P, block, embed, lm_head)   # [block-1, V]
+
+What it computes, for a bonus token b at absolute position P (= committed length):
+  context  c_j = hidden_norm(fc(concat_i aux_norm_i(tap_i[j])))                  for committed j < P
+  per draft layer l:  context K/V from input_layernorm_l(c_j): k -> k_norm -> RoPE(j), v
+  block    h = E[b, MASK, ..., MASK] at positions P..P+B-1; pre-norm layers whose attention sees the
+           context keys j >= q_pos - (W-1) and the block keys o' <= o (causal), softplus per-head gate
+  logits   lm_head(norm(h))[1:]     slot o predicts the token at position P+o
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def rms(x, w, eps):
+    x32 = x.float()
+    return w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def rope_inv_freq(theta, dim):
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
+def apply_rope(x, pos, inv_freq, scaling=1.0):
+    """x [T, heads, D]; NeoX rotate-half on the first len(inv_freq)*2 dims."""
+    rd = inv_freq.numel() * 2
+    freqs = pos.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], -1)
+    cos, sin = (emb.cos() * scaling)[:, None, :], (emb.sin() * scaling)[:, None, :]
+    xr, xp = x[..., :rd], x[..., rd:]
+    x1, x2 = xr[..., : rd // 2], xr[..., rd // 2:]
+    rot = torch.cat([-x2, x1], -1)
+    return torch.cat([xr * cos + rot * sin, xp], -1)
+
+
+class Layer(nn.Module):
+    def __init__(self, H, nh, nkv, D, F_, per_head):
+        super().__init__()
+        self.nh, self.nkv, self.D = nh, nkv, D
+        self.input_layernorm = nn.Parameter(torch.ones(H))
+        self.post_attention_layernorm = nn.Parameter(torch.ones(H))
+        self.qkv_proj = nn.Linear(H, (nh + 2 * nkv) * D, bias=False)
+        self.o_proj = nn.Linear(nh * D, H, bias=False)
+        self.g_proj = nn.Linear(H, nh if per_head else nh * D, bias=False)
+        self.q_norm = nn.Parameter(torch.ones(D))
+        self.k_norm = nn.Parameter(torch.ones(D))
+        self.gate_proj = nn.Linear(H, F_, bias=False)
+        self.up_proj = nn.Linear(H, F_, bias=False)
+        self.down_proj = nn.Linear(F_, H, bias=False)
+
+
+class LagunaDFlash(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        H, D = cfg["hidden_size"], cfg["head_dim"]
+        self.H, self.D = H, D
+        self.nh, self.nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+        self.eps = cfg.get("rms_norm_eps", 1e-6)
+        dc = cfg["dflash_config"]
+        self.taps = list(dc["target_layer_ids"])
+        self.block = dc.get("block_size", 16)
+        self.mask_id = dc.get("mask_token_id", 12)
+        self.causal = dc.get("causal", True)
+        lt = cfg["layer_types"]
+        self.window = cfg["sliding_window"] if lt[0] == "sliding_attention" else None
+        self.per_head = cfg.get("gating", True) in (True, "per-head")
+        rp = cfg.get("rope_parameters") or {}
+        if any(isinstance(v, dict) for v in rp.values()):
+            rp = rp.get(lt[0]) or rp.get("full_attention") or {}
+        theta = rp.get("rope_theta", cfg.get("rope_theta", 500000.0))
+        self.inv_freq = rope_inv_freq(theta, int(D * rp.get("partial_rotary_factor", 1.0)))
+        n = len(self.taps)
+        self.fc = nn.Linear(n * H, H, bias=False)
+        self.hidden_norm = nn.Parameter(torch.ones(H))
+        self.norm = nn.Parameter(torch.ones(H))
+        self.aux_hidden_norms = nn.ParameterList([nn.Parameter(torch.ones(H)) for _ in range(n)])
+        self.layers = nn.ModuleList([Layer(H, self.nh, self.nkv, D, cfg["intermediate_size"], self.per_head)
+                                     for _ in range(cfg["num_hidden_layers"])])
+
+    # ---- context: per-tap norms, fc, hidden_norm ----
+    def context(self, taps):
+        """taps [T, n_taps, H] (target residual stream after each tap layer; the last one before the final norm)"""
+        a = torch.stack([rms(taps[:, i], self.aux_hidden_norms[i], self.eps) for i in range(len(self.taps))], 1)
+        return rms(self.fc(a.reshape(a.shape[0], -1)), self.hidden_norm, self.eps)
+
+    def _kv(self, layer, u, pos):
+        qkv = layer.qkv_proj(u)
+        q_sz, kv_sz = self.nh * self.D, self.nkv * self.D
+        k = qkv[:, q_sz:q_sz + kv_sz].view(-1, self.nkv, self.D)
+        v = qkv[:, q_sz + kv_sz:].view(-1, self.nkv, self.D)
+        k = apply_rope(rms(k, layer.k_norm, self.eps), pos, self.inv_freq)
+        return k, v
+
+    def draft_hidden(self, ctx, ctx_pos, tokens, P, embed):
+        """ctx [C, H] at absolute positions ctx_pos [C] (all < P); tokens [B] at positions P..P+B-1."""
+        B = tokens.numel()
+        h = embed[tokens].float()
+        qpos = torch.arange(P, P + B)
+        for layer in self.layers:
+            # context K/V: input_layernorm on the context before the K/V projection
+            kc, vc = self._kv(layer, rms(ctx, layer.input_layernorm, self.eps), ctx_pos)
+            x = rms(h, layer.input_layernorm, self.eps)
+            qkv = layer.qkv_proj(x)
+            q_sz, kv_sz = self.nh * self.D, self.nkv * self.D
+            q = apply_rope(rms(qkv[:, :q_sz].view(B, self.nh, self.D), layer.q_norm, self.eps), qpos, self.inv_freq)
+            kb, vb = self._kv(layer, x, qpos)
+            K, V = torch.cat([kc, kb]), torch.cat([vc, vb])
+            kpos = torch.cat([ctx_pos, qpos])
+            is_block = torch.cat([torch.zeros(len(ctx_pos), dtype=torch.bool), torch.ones(B, dtype=torch.bool)])
+            allowed = torch.ones(B, K.shape[0], dtype=torch.bool)
+            if self.causal:
+                allowed &= ~is_block[None, :] | (kpos[None, :] <= qpos[:, None])
+            if self.window:
+                allowed &= kpos[None, :] >= qpos[:, None] - (self.window - 1)
+            g = self.nh // self.nkv
+            Kx, Vx = K.repeat_interleave(g, 1), V.repeat_interleave(g, 1)      # [S, nh, D]
+            s = torch.einsum("bhd,shd->hbs", q, Kx) / math.sqrt(self.D)
+            s = s.masked_fill(~allowed[None], float("-inf"))
+            o = torch.einsum("hbs,shd->bhd", torch.softmax(s.float(), -1), Vx)
+            gate = F.softplus(layer.g_proj(x).float())
+            o = o * gate[:, :, None] if self.per_head else o * gate.view(B, self.nh, self.D)
+            h = h + layer.o_proj(o.reshape(B, -1))
+            y = rms(h, layer.post_attention_layernorm, self.eps)
+            h = h + layer.down_proj(F.silu(layer.gate_proj(y)) * layer.up_proj(y))
+        return rms(h, self.norm, self.eps)
+
+    def draft_logits(self, ctx, ctx_pos, bonus, P, block, embed, lm_head):
+        tokens = torch.tensor([bonus] + [self.mask_id] * (block - 1))
+        return self.draft_hidden(ctx, ctx_pos, tokens, P, embed)[1:] @ lm_head.float().T
+
+    # ---- checkpoint names as on disk (no "model." prefix) ----
+    def state_for_disk(self):
+        sd = {"fc.weight": self.fc.weight, "hidden_norm.weight": self.hidden_norm, "norm.weight": self.norm}
+        for i, p in enumerate(self.aux_hidden_norms):
+            sd[f"aux_hidden_norms.{i}.weight"] = p
+        for l, L in enumerate(self.layers):
+            p = f"layers.{l}."
+            sd.update({p + "input_layernorm.weight": L.input_layernorm,
+                       p + "post_attention_layernorm.weight": L.post_attention_layernorm,
+                       p + "self_attn.qkv_proj.weight": L.qkv_proj.weight, p + "self_attn.o_proj.weight": L.o_proj.weight,
+                       p + "self_attn.g_proj.weight": L.g_proj.weight, p + "self_attn.q_norm.weight": L.q_norm,
+                       p + "self_attn.k_norm.weight": L.k_norm, p + "mlp.gate_proj.weight": L.gate_proj.weight,
+                       p + "mlp.up_proj.weight": L.up_proj.weight, p + "mlp.down_proj.weight": L.down_proj.weight})
+        return {k: v.detach().contiguous() for k, v in sd.items()}
+
+
+def target_taps(model, ids, layer_ids):
+    """The target's residual stream after each layer in layer_ids (hooks on the decoder layers: the output
+    of the last layer is taken before the final norm)."""
+    got = {}
+    hooks = [model.model.layers[t].register_forward_hook(
+        lambda mod, inp, out, t=t: got.__setitem__(t, (out[0] if isinstance(out, tuple) else out).detach()))
+        for t in layer_ids]
+    with torch.no_grad():
+        model(ids[None])
+    for h in hooks:
+        h.remove()
+    return torch.stack([got[t][0] for t in layer_ids], 1)      # [T, n_taps, H]

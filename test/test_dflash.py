@@ -1,0 +1,230 @@
+"""DFlash speculative decoding on the CPU: the drafter against the PyTorch reference (dev/dflash_ref.py) on
+transformers' target taps, lossless greedy and sampled generation, rollback, and drafter/target mismatches."""
+import math
+import os
+import struct
+
+import numpy as np
+import pytest
+
+from conftest import FIXTURES, run
+
+TOL = 1e-4
+
+
+def fx(*p):
+    return os.path.join(FIXTURES, *p)
+
+
+def ids_of(path):
+    return open(path).read().split()
+
+
+@pytest.fixture(scope="module")
+def models(exported):
+    return {"xs2": exported("xs2_f32"), "dxs2": exported("draft_xs2"),
+            "v16": exported("v16"), "dv16": exported("draft_v16")}
+
+
+@pytest.mark.parametrize("target,drafter,fixture,checks", [
+    ("xs2", "dxs2", "draft_xs2", [5, 20, 40]),      # causal, sliding window 12, 3 taps (the last = last layer)
+    ("v16", "dv16", "draft_v16", [3, 12]),          # non-causal block, full attention, per-element gate
+])
+def test_drafter_matches_reference_module(laguna, models, tmp_path, target, drafter, fixture, checks):
+    score = ids_of(fx(fixture.replace("draft_", "").replace("xs2", "xs2_f32"), "score.txt"))
+    for P in checks:
+        out = tmp_path / "dl.bin"
+        run([laguna, models[target], "-d", models[drafter], "--ids", " ".join(score[:P + 1]), "--draft-logits",
+             str(out), "-q"])
+        ref = np.load(fx(fixture, f"draft_logits_{P}.npy"))
+        got = np.fromfile(out, dtype=np.float32).reshape(ref.shape)
+        diff = float(np.abs(got - ref).max())
+        print(f"\n{fixture} P={P}: max |draft logit - reference| = {diff:.3g} (bar {TOL})")
+        assert diff <= TOL
+
+
+def test_taps_equal_transformers_layer_outputs(laguna, models, tmp_path):
+    out = tmp_path / "taps.bin"
+    run([laguna, models["xs2"], "-d", models["dxs2"], "--score", fx("xs2_f32", "score.txt"), "--taps", str(out),
+         "-q"])
+    ref = np.load(fx("draft_xs2", "taps.npy"))          # transformers: layer outputs 1, 4, 7 (7 = last, pre-norm)
+    got = np.fromfile(out, dtype=np.float32).reshape(ref.shape)
+    rel = float(np.abs(got - ref).max() / np.abs(ref).max())
+    print(f"\ntaps: max |diff| / max |ref| = {rel:.3g}")
+    assert rel <= 1e-5
+
+
+def generate(laguna, target, prompt, *extra):
+    r = run([laguna, target, "--ids", prompt, "-t", "0", *extra])
+    return r.stdout.split(), r.stderr
+
+
+def test_greedy_is_lossless_for_every_draft_length(laguna, models):
+    """Identical tokens with and without the drafter: prompts shorter and longer than the target window (8)
+    and the drafter window (12), generations crossing many block boundaries, --draft-max 1..15."""
+    score = ids_of(fx("xs2_f32", "score.txt"))
+    for plen in (1, 7, 8, 9, 13, 30):
+        prompt = " ".join(score[:plen])
+        want, _ = generate(laguna, models["xs2"], prompt, "-n", "45", "-q")
+        for k in range(1, 16):
+            got, _ = generate(laguna, models["xs2"], prompt, "-n", "45", "-q", "-d", models["dxs2"],
+                              "--draft-max", str(k))
+            assert got == want, (plen, k)
+
+
+def test_greedy_lossless_with_acceptances_and_rollback(laguna, models, tmp_path):
+    """On the 16-token vocabulary random drafts are often right, so blocks get partly accepted and the target
+    cache is rolled back mid-block. After every accept length the logits the loop used must equal a fresh
+    teacher-forced pass over the committed text."""
+    score = ids_of(fx("v16", "score.txt"))
+    accepted = 0
+    for plen in (2, 5, 12):
+        prompt = " ".join(score[:plen])
+        want, _ = generate(laguna, models["v16"], prompt, "-n", "60", "-q")
+        trace = tmp_path / "trace.bin"
+        got, err = generate(laguna, models["v16"], prompt, "-n", "60", "-d", models["dv16"], "--logits", str(trace))
+        assert got == want
+        accepted += int(err.split(" accepted,")[0].split()[-1])
+        # the rows behind each generated token vs a fresh --score over prompt + generated
+        seq = tmp_path / "seq.txt"
+        seq.write_text(" ".join(score[:plen] + got))
+        full = tmp_path / "full.bin"
+        run([laguna, models["v16"], "--score", str(seq), "--logits", str(full), "-q"])
+        fresh = np.fromfile(full, dtype=np.float32).reshape(-1, 16)[plen - 1: plen - 1 + len(got)]
+        used = np.fromfile(trace, dtype=np.float32).reshape(-1, 16)[: len(got)]
+        assert float(np.abs(used - fresh).max()) <= TOL
+    print(f"\naccepted drafts over the runs: {accepted}")
+    assert accepted > 0
+
+
+def exact_second_token(laguna, model, prompt, temperature, topp, tmp_path):
+    """p(t2) = sum_t1 p(t1 | prompt) p(t2 | prompt t1), with the sampler's temperature and top-p."""
+    def dist(row):
+        z = row.astype(np.float64) / temperature
+        p = np.exp(z - z.max())
+        p /= p.sum()
+        if 0 < topp < 1:
+            order = np.argsort(-p, kind="stable")
+            keep = np.searchsorted(np.cumsum(p[order]), topp, side="right") + 1
+            q = np.zeros_like(p)
+            q[order[:keep]] = p[order[:keep]]
+            p = q / q.sum()
+        return p
+    p2 = np.zeros(16)
+    seq = tmp_path / "s.txt"
+    lg = tmp_path / "l.bin"
+    for t1 in range(15):       # 15 is the fixture's EOS: a run that samples it first stops (counted out below)
+        seq.write_text(prompt + f" {t1}")
+        run([laguna, model, "--score", str(seq), "--logits", str(lg), "-q"])
+        rows = np.fromfile(lg, dtype=np.float32).reshape(-1, 16)
+        p2 += dist(rows[-2])[t1] * dist(rows[-1])
+    return p2 / p2.sum()
+
+
+def second_tokens(stdout):
+    """Counts of the second generated token over --samples lines; EOS (15) ends a line without being printed,
+    so a one-token line means the second token was EOS and an empty line (first token EOS) is left out."""
+    c = np.zeros(16)
+    for line in stdout.split("\n")[:-1]:
+        toks = line.split()
+        if len(toks) >= 2:
+            c[int(toks[1])] += 1
+        elif len(toks) == 1:
+            c[15] += 1
+    return c
+
+
+def chi2_stat(counts, expected):
+    """Pearson's statistic with bins of expected count < 5 pooled; returns (stat, degrees of freedom)."""
+    big = expected >= 5
+    c = list(counts[big]) + ([counts[~big].sum()] if (~big).any() else [])
+    e = list(expected[big]) + ([expected[~big].sum()] if (~big).any() else [])
+    stat = sum((ci - ei) ** 2 / ei for ci, ei in zip(c, e) if ei > 0)
+    return stat, len(c) - 1
+
+
+def chi2_critical(df, z=3.09):
+    """Wilson-Hilferty: the chi-square quantile at normal quantile z (3.09: p = 0.001)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+@pytest.mark.parametrize("temperature,topp", [(1.0, 1.0), (0.7, 0.9)])
+def test_sampling_with_drafter_keeps_the_target_distribution(laguna, models, tmp_path, temperature, topp):
+    """The second generated token is the first one a draft can decide. Its empirical distribution over many
+    seeded runs must match the exact one; a deliberately biased acceptance rule must fail the same test."""
+    prompt = " ".join(ids_of(fx("v16", "score.txt"))[:6])
+    exact = exact_second_token(laguna, models["v16"], prompt, temperature, topp, tmp_path)
+    N = 3000
+
+    def counts(env=None):
+        r = run([laguna, models["v16"], "-d", models["dv16"], "--ids", prompt, "-n", "2", "-t", str(temperature),
+                 "-p", str(topp), "-s", "11", "--samples", str(N), "-q"], env=env)
+        assert r.stdout.count("\n") == N
+        c = second_tokens(r.stdout)
+        return c, c.sum()
+
+    c, n = counts()
+    stat, df = chi2_stat(c, exact * n)
+    print(f"\nT={temperature} top-p={topp}: chi2 {stat:.1f} with {df} dof (critical {chi2_critical(df):.1f})")
+    assert stat < chi2_critical(df)
+    c, n = counts(dict(os.environ, LAGUNA_TEST_BIASED_ACCEPT="1"))
+    stat_b, df_b = chi2_stat(c, exact * n)
+    print(f"biased acceptance: chi2 {stat_b:.1f} with {df_b} dof")
+    assert stat_b > chi2_critical(df_b)
+
+
+def test_without_drafter_sampling_matches_too(laguna, models, tmp_path):
+    """The same statistic without the drafter (the sampler itself is right)."""
+    prompt = " ".join(ids_of(fx("v16", "score.txt"))[:6])
+    exact = exact_second_token(laguna, models["v16"], prompt, 1.0, 1.0, tmp_path)
+    r = run([laguna, models["v16"], "--ids", prompt, "-n", "2", "-t", "1.0", "-p", "1.0", "-s", "5",
+             "--samples", "3000", "-q"])
+    c = second_tokens(r.stdout)
+    stat, df = chi2_stat(c, exact * c.sum())
+    assert stat < chi2_critical(df)
+
+
+def test_report_and_compare(laguna, models):
+    prompt = " ".join(ids_of(fx("v16", "score.txt"))[:5])
+    r = run([laguna, models["v16"], "-d", models["dv16"], "--ids", prompt, "-t", "0", "-n", "30", "--compare"])
+    for phrase in ("verify steps", "drafted", "accepted", "acceptance", "mean length tau",
+                   "acceptance per block position", "speedup", "outputs identical"):
+        assert phrase in r.stderr, phrase
+
+
+# ---------------------------------------------------------------------------------------------
+# a drafter that does not fit the target is refused
+
+def test_mismatched_drafters_are_refused(laguna, models, exported, tmp_path):
+    from test_model import expect_error
+    expect_error([laguna, models["v16"], "-d", models["dxs2"], "--ids", "1 2"], "vocabulary (512)", "(16)")
+    expect_error([laguna, exported("variant"), "-d", models["dxs2"], "--ids", "1 2"], "8-layer target")
+    # the same drafter with the target-layer count erased: the tap range check speaks
+    data = open(models["dxs2"], "rb").read().replace(b"dflash_num_target_layers=8", b"dflash_num_target_layers=0")
+    p = tmp_path / "d.bin"
+    p.write_bytes(data)
+    expect_error([laguna, exported("variant"), "-d", str(p), "--ids", "1 2"], "taps target layer 7")
+    expect_error([laguna, models["xs2"], "-d", models["xs2"], "--ids", "1 2"], "not a DFlash drafter")
+    expect_error([laguna, models["dxs2"], "--ids", "1 2"], "is a DFlash drafter")
+    expect_error([laguna, exported("xs21_bf16"), "-d", models["dxs2"], "--ids", "1 2"], "(512)")
+
+
+def test_export_refuses_broken_drafters(tmp_path):
+    import json
+    import shutil
+    import sys
+    from safetensors.numpy import load_file, save_file
+    from test_model import expect_error, ROOT
+    d = tmp_path / "d"
+    shutil.copytree(fx("draft_xs2", "hf"), d)
+    cmd = [sys.executable, os.path.join(ROOT, "export.py"), str(d), str(tmp_path / "o.bin")]
+    t = load_file(str(d / "model.safetensors"))
+    t.pop("aux_hidden_norms.1.weight")
+    save_file(t, str(d / "model.safetensors"))
+    expect_error(cmd, "aux_hidden_norms.1.weight", "missing")
+    shutil.rmtree(d)
+    shutil.copytree(fx("draft_xs2", "hf"), d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["layer_types"] = ["sliding_attention", "full_attention"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    expect_error(cmd, "layer_types")
