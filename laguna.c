@@ -816,6 +816,8 @@ typedef struct {
     const char *draft_logits_out;
     int steps, ctx, seed_set, raw, cpu, ids_mode, think, chunk, quiet;
     int draft_max, compare, samples;
+    int random_weights;               /* --random-weights SEED */
+    unsigned long long random_seed;
     float temperature, topp;
     unsigned long long seed;
 } Options;
@@ -935,20 +937,32 @@ static void print_token(Printer *p, int id, int ids_mode) {
     fflush(stdout);
 }
 
+/* One decode step on the GPU: forward `token` at `pos` and sample the next token on the device (a CUDA graph;
+ * only token ids cross). The coin comes from the same rng stream as sample(): the same distribution, though
+ * the device walks the nucleus in id order rather than sorted order. */
+static int engine_decode_step(Engine *e, Sampler *sp, int token, int pos) {
+    float coin = sp->temperature > 0.0f ? random_f32(&sp->rng) : 0.0f;
+    return gpu_decode_step(e->gpu, token, pos, sp->temperature, sp->topp, coin);
+}
+
 /* Generate up to `steps` tokens after a prompt already in the cache; returns the count. */
 static int generate(Engine *e, Sampler *sp, Printer *pr, const float *logits, int pos, int steps, int ids_mode,
                     int stop_id, int *out_ids, double *decode_s) {
     Config *c = &e->m->config;
-    int n = 0;
+    int n = 0, next = -1;
+    int on_device = e->gpu && !pr->trace;    /* --logits tracing needs the logits rows on the host */
     double t0 = now_s();
     while (n < steps && pos < e->m->state.ctx) {
-        int next = sample(sp, logits);
-        trace_logits(pr, logits);
+        if (!on_device || n == 0) {
+            next = sample(sp, logits);
+            trace_logits(pr, logits);
+        }
         if (out_ids) out_ids[n] = next;
         n++;
         if (is_eos(c, next) || next == stop_id) break;
         print_token(pr, next, ids_mode);
-        logits = engine_forward(e, &next, 1, pos, 0);
+        if (on_device) next = engine_decode_step(e, sp, next, pos);
+        else logits = engine_forward(e, &next, 1, pos, 0);
         pos++;
     }
     *decode_s = now_s() - t0;
@@ -1207,6 +1221,59 @@ static void dflash_free(DFlash *df) {
 }
 
 /* ----------------------------------------------------------------------------
+ * --random-weights SEED: hash-random matmul weights, for benchmarks and GPU tests on the sparse files of
+ * `export.py --synthetic` (real shapes, no 67 GB download).
+ *
+ * Every bf16/f32 tensor of 2+ dims (embedding, attention, dense MLP, router, experts, shared expert, lm_head)
+ * gets uniform values of std 1/sqrt(fan_in) from a counter hash of (seed, FNV-1a of its name, element index),
+ * rounded to bf16. laguna.cu computes the same numbers on the device (no copy of the file's zeros), so the
+ * CPU and the GPU run identical weights. Norms, biases, the correction bias and the rope tables keep the file's
+ * values. The private mapping is made writable: the written pages become this process's memory. */
+
+static uint64_t rw_mix(uint64_t x) {           /* splitmix64 */
+    x += 0x9E3779B97F4A7C15ull;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
+}
+
+static float rw_value(uint64_t seed, uint64_t key, uint64_t i, float a) {
+    uint64_t h = rw_mix(rw_mix(seed ^ key) + i);
+    int s = (int)(h >> 40) - (1 << 23);                      /* 24 random bits, centred */
+    float v = (float)s * (a * (1.0f / 8388608.0f));           /* one rounding */
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;      /* round to nearest even bf16 */
+    memcpy(&v, &u, 4);
+    return v;
+}
+
+static void randomize_weights(Model *m, uint64_t seed) {
+    if (mprotect(m->map, m->file_size, PROT_READ | PROT_WRITE) != 0) die("--random-weights: mprotect: %s", strerror(errno));
+    for (uint64_t t = 0; t < m->n_tensors; t++) {
+        const TensorEntry *e = &m->dir[t];
+        if ((e->dtype != DT_BF16 && e->dtype != DT_F32) || e->ndim < 2) continue;
+        uint64_t key = 0xcbf29ce484222325ull;                 /* FNV-1a of the name */
+        for (const char *p = e->name; *p; p++) key = (key ^ (unsigned char)*p) * 0x100000001b3ull;
+        int64_t n = 1;
+        for (uint32_t d = 0; d < e->ndim; d++) n *= e->shape[d];
+        float a = sqrtf(3.0f / (float)e->shape[e->ndim - 1]);
+        char *data = (char *)m->map + e->offset;
+#pragma omp parallel for schedule(static)
+        for (int64_t i = 0; i < n; i++) {
+            float v = rw_value(seed, key, (uint64_t)i, a);
+            if (e->dtype == DT_BF16) {
+                uint32_t u;
+                memcpy(&u, &v, 4);
+                ((uint16_t *)data)[i] = (uint16_t)(u >> 16);
+            } else {
+                ((float *)data)[i] = v;
+            }
+        }
+    }
+}
+
+/* ----------------------------------------------------------------------------
  * main */
 
 static void usage(FILE *f) {
@@ -1225,7 +1292,7 @@ static void usage(FILE *f) {
         "  --raw         send the prompt as-is (BOS + text), not through the chat template\n"
         "  --ids         the prompt is whitespace-separated token ids; print generated ids\n"
         "  --cpu         use the CPU even when a GPU is available\n"
-        "  --chunk N     most tokens per forward pass (prefill chunk; default 64 on the CPU)\n"
+        "  --chunk N     most tokens per forward pass (prefill chunk; default 64 on the CPU, 2048 on the GPU)\n"
         "  --tokenize TEXT        print the token ids of TEXT (no BOS) and exit\n"
         "  --score IDS_FILE       teacher-forced pass over the ids: mean NLL and perplexity of tokens 2..n\n"
         "  --logits OUT           with --score: write float32 logits [n][vocab] to OUT; while generating:\n"
@@ -1240,6 +1307,8 @@ static void usage(FILE *f) {
         "  --taps OUT             with --score and -d: write the target's tap states float32 [n][taps][hidden]\n"
         "  --draft-logits OUT     with --ids and -d: prefill all but the last id, draft a block with the last\n"
         "                         id as the bonus token, write float32 logits [block-1][vocab]\n"
+        "  --random-weights SEED  replace every matmul weight by seeded hash-random values (benchmarks on\n"
+        "                         export.py --synthetic files; identical on the CPU and the GPU)\n"
         "  -h, --help    this help\n");
 }
 
@@ -1277,6 +1346,7 @@ static void parse_args(int argc, char **argv, Options *o) {
         else if (!strcmp(a, "--samples")) o->samples = atoi(NEXT());
         else if (!strcmp(a, "--taps")) o->taps_out = NEXT();
         else if (!strcmp(a, "--draft-logits")) o->draft_logits_out = NEXT();
+        else if (!strcmp(a, "--random-weights")) { o->random_seed = strtoull(NEXT(), NULL, 10); o->random_weights = 1; }
         else if (a[0] == '-' && a[1]) die("unknown option %s (see --help)", a);
         else if (!o->model_path) o->model_path = a;
         else if (!o->prompt) o->prompt = a;
@@ -1410,20 +1480,25 @@ int main(int argc, char **argv) {
         return 0;
     }
 
-    int max_tokens = o.chunk ? o.chunk : 64;
+    char info[256] = "";
+    int use_gpu = !o.cpu && gpu_available(info, sizeof info);
+    int max_tokens = o.chunk ? o.chunk : use_gpu && !o.draft_path ? 2048 : 64;   /* GPU: big prefill chunks */
     if (o.draft_path && max_tokens < 64) max_tokens = 64;   /* a verify block must fit in one forward */
     int ctx = choose_ctx(c, &o, max_tokens);
     if (max_tokens > ctx) max_tokens = ctx;
     Engine eng = {&model, NULL};
-    char info[256] = "";
-    if (!o.cpu && gpu_available(info, sizeof info)) {
+    model.random_weights = o.random_weights;
+    model.random_seed = o.random_seed;
+    if (use_gpu) {
         if (o.draft_path) {
             if (!o.quiet) fprintf(stderr, "note: DFlash runs on the CPU backend in this version\n");
         } else {
-            eng.gpu = gpu_init(&model, ctx, max_tokens, err, sizeof err);
+            eng.gpu = gpu_init(&model, ctx, max_tokens, err, sizeof err);   /* fills random weights itself */
             if (!eng.gpu) die("%s", err);
+            if (!o.quiet) fprintf(stderr, "gpu: %s | %s\n", info, gpu_summary(eng.gpu));
         }
     }
+    if (o.random_weights && !eng.gpu) randomize_weights(&model, o.random_seed);
     alloc_state(&model, ctx, max_tokens);   /* the CPU state also sizes the chunking for the GPU */
     DFlash dfs, *df = NULL;
     if (o.draft_path) {
@@ -1551,7 +1626,7 @@ static int chat_loop(Engine *e, Sampler *sp, Printer *pr, const Options *o) {
         n_cache = n;
         double dt;
         int steps = o->steps < ctx - n ? o->steps : ctx - n;
-        int g = generate(e, sp, pr, logits, n, steps, 0, end_id, reply, &dt);
+        int g = generate(e, sp, pr, logits, n, steps, o->ids_mode, end_id, reply, &dt);
         size_t len;
         const char *rest = tokenizer_decode_flush(&pr->dec, &len);
         fwrite(rest, 1, len, stdout);
@@ -1594,5 +1669,10 @@ float *gpu_forward(GpuModel *g, const int *tokens, int n, int pos, int all_logit
     (void)g; (void)tokens; (void)n; (void)pos; (void)all_logits;
     return NULL;
 }
+int gpu_decode_step(GpuModel *g, int token, int pos, float temperature, float topp, float coin) {
+    (void)g; (void)token; (void)pos; (void)temperature; (void)topp; (void)coin;
+    return -1;
+}
+const char *gpu_summary(GpuModel *g) { (void)g; return ""; }
 void gpu_free(GpuModel *g) { (void)g; }
 #endif
