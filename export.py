@@ -38,9 +38,22 @@ ALIGN = 256
 HEADER_BYTES = 256
 ENTRY_BYTES = 128
 NAME_BYTES = 80
-DT_F32, DT_BF16, DT_U8 = 0, 1, 2
-DTYPE_NAMES = {DT_F32: "f32", DT_BF16: "bf16", DT_U8: "u8"}
+DT_F32, DT_BF16, DT_U8, DT_Q8, DT_Q4 = 0, 1, 2, 3, 4
+DTYPE_NAMES = {DT_F32: "f32", DT_BF16: "bf16", DT_U8: "u8", DT_Q8: "q8", DT_Q4: "q4"}
 DTYPE_SIZE = {DT_F32: 4, DT_BF16: 2, DT_U8: 1}
+QGROUP = 32                 # quantization group: consecutive weights of a row sharing one fp16 scale
+
+
+def tensor_nbytes(dt, shape):
+    """Bytes of a tensor in the file. Quantized tensors (q8, q4) are two planes: the values of every row,
+    each row padded to whole groups of 32 (int8, or two 4-bit values per byte, low nibble first), then
+    one fp16 scale per group of every row."""
+    shape = tuple(shape)
+    if dt in (DT_Q8, DT_Q4):
+        rows = int(np.prod(shape[:-1], dtype=np.int64)) if len(shape) > 1 else 1
+        groups = -(-shape[-1] // QGROUP)
+        return rows * groups * (QGROUP if dt == DT_Q8 else QGROUP // 2) + rows * groups * 2
+    return int(np.prod(shape, dtype=np.int64)) * DTYPE_SIZE[dt]
 KIND_MODEL = 0
 
 
@@ -644,7 +657,7 @@ def write_file(out_path, config_bytes, plan, kind=KIND_MODEL, quiet=False):
             raise ExportError(f"tensor name too long for the format: {name}")
         if len(shape) > 4:
             raise ExportError(f"tensor {name} has more than 4 dims")
-        nbytes = int(np.prod(shape, dtype=np.int64)) * DTYPE_SIZE[dt]
+        nbytes = tensor_nbytes(dt, shape)
         entries.append((name, dt, shape, off, nbytes))
         off = align(off + nbytes)
     file_size = off
@@ -682,6 +695,93 @@ def write_file(out_path, config_bytes, plan, kind=KIND_MODEL, quiet=False):
     os.replace(tmp, out_path)
     return file_size
 
+
+
+# -----------------------------------------------------------------------------
+# quantization: group-wise int8 (q8) and 4-bit (q4), symmetric, one fp16 scale per group of 32
+
+def quantize_rows(w, dt):
+    """w: float32 [rows, cols] -> (values uint8 bytes [rows, groups*32 or groups*16], scales fp16 [rows, groups],
+    dequantized float32 [rows, cols]). q8: q = round(w/d), d = max|w|/127. q4 (like llama.cpp's Q4_0): d = m/-8
+    where m is the group's value of largest magnitude, q = clamp(round(w/d) + 8, 0, 15), w ~ (q - 8) * d."""
+    rows, cols = w.shape
+    groups = -(-cols // QGROUP)
+    pad = groups * QGROUP - cols
+    x = np.pad(w, ((0, 0), (0, pad))).reshape(rows, groups, QGROUP).astype(np.float32)
+    if dt == DT_Q8:
+        d = (np.abs(x).max(-1) / 127.0).astype(np.float16)
+        df = d.astype(np.float32)[..., None]
+        inv = np.divide(1.0, df, out=np.zeros_like(df), where=df != 0)
+        q = np.clip(np.rint(x * inv), -127, 127).astype(np.int8)
+        deq = q.astype(np.float32) * df
+        vals = q.reshape(rows, groups * QGROUP).view(np.uint8)
+    else:
+        idx = np.abs(x).argmax(-1)[..., None]
+        m = np.take_along_axis(x, idx, -1)
+        d = (m / -8.0).astype(np.float16)
+        df = d.astype(np.float32)
+        inv = np.divide(1.0, df, out=np.zeros_like(df), where=df != 0)
+        q = np.clip(np.rint(x * inv) + 8, 0, 15).astype(np.uint8)
+        deq = (q.astype(np.float32) - 8) * df
+        q = q.reshape(rows, groups * QGROUP)
+        vals = (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8)
+    return vals, d.reshape(rows, groups), deq.reshape(rows, groups * QGROUP)[:, :cols]
+
+
+class QuantStats:
+    """Quantization error per tensor and overall, printed like llama2.c's export."""
+
+    def __init__(self, say):
+        self.say, self.sq, self.n, self.ref, self.worst = say, 0.0, 0, 0.0, 0.0
+
+    def producer(self, name, dt, chunks, shape):
+        cols = shape[-1]
+
+        def run():
+            scales, sq, ref, mx, n = [], 0.0, 0.0, 0.0, 0
+            for a in chunks():
+                w = np.asarray(a, dtype=np.float32).reshape(-1, cols)
+                vals, sc, deq = quantize_rows(w, dt)
+                err = deq - w
+                sq += float(np.square(err, dtype=np.float64).sum())
+                ref += float(np.square(w, dtype=np.float64).sum())
+                mx = max(mx, float(np.abs(err).max()) if err.size else 0.0)
+                n += w.size
+                scales.append(sc)
+                yield vals
+            yield np.concatenate(scales).view(np.uint16)
+            rel = math.sqrt(sq / ref) if ref > 0 else 0.0
+            self.sq, self.ref, self.n = self.sq + sq, self.ref + ref, self.n + n
+            self.worst = max(self.worst, rel)
+            pad = f" (last group padded: {cols} is not a multiple of {QGROUP})" if cols % QGROUP else ""
+            self.say(f"  {DTYPE_NAMES[dt]} {name}: max abs error {mx:.3g}, relative rms error {rel:.4f}{pad}")
+        return run
+
+    def summary(self):
+        if self.n:
+            self.say(f"quantization: {self.n / 1e6:.1f}M weights, overall relative rms error "
+                     f"{math.sqrt(self.sq / self.ref) if self.ref else 0:.4f}, worst tensor {self.worst:.4f}")
+
+
+def quantize_plan(plan, want_dtype, say):
+    """Turn the matmul weights of a plan into q8/q4 (embedding rows q8; router, norms, rope, tokenizer kept)."""
+    if want_dtype not in ("q8", "q4"):
+        return plan, None
+    stats = QuantStats(say)
+    out = []
+    for name, dt, shape, produce in plan:
+        if len(shape) < 2 or name.endswith("mlp.gate.weight"):      # norms, biases, rope, tokenizer, router
+            out.append((name, dt, shape, produce))
+            continue
+        qdt = DT_Q8 if (want_dtype == "q8" or name.endswith("embed_tokens.weight")) else DT_Q4
+
+        def chunks(produce=produce, dt=dt):
+            for a in produce():
+                if isinstance(a, int):
+                    raise ExportError("cannot quantize a synthetic file without weights (use --fill random)")
+                yield bf16_to_f32(a) if dt == DT_BF16 else a
+        out.append((name, qdt, shape, stats.producer(name, qdt, chunks, shape)))
+    return out, stats
 
 # -----------------------------------------------------------------------------
 # DFlash drafters (poolside/Laguna-XS-2.1-DFlash): same command, recognised from the config
@@ -843,7 +943,8 @@ def export_drafter(hf_dir, cfg, out_path, dtype, ignore_keys, quiet):
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, file=sys.stderr))
     c = read_drafter_config(hf_dir, cfg, ignore_keys, warn=say)
     ck = Checkpoint(hf_dir)
-    plan = plan_drafter(ck, c, dtype)
+    plan, stats = quantize_plan(plan_drafter(ck, c, dtype if dtype in ("auto", "bf16", "f32") else "auto"),
+                                dtype, say)
     d = c["dflash"]
     ids = {"bos_token_id": -1, "pad_token_id": -1, "mask_token_id": d["mask_token_id"], "eos_token_ids": []}
     text = config_text(c, ids) + (
@@ -854,6 +955,8 @@ def export_drafter(hf_dir, cfg, out_path, dtype, ignore_keys, quiet):
     say(f"DFlash drafter: {c['n_layers']} layers, block {d['block_size']}, taps {d['target_layer_ids']}, "
         f"{'causal' if d['causal'] else 'non-causal'}, window {c['sliding_window'] or 'none'}")
     size = write_file(out_path, text, plan, kind=KIND_DRAFTER, quiet=quiet)
+    if stats:
+        stats.summary()
     say(f"wrote {out_path}: {len(plan)} tensors, {size / 2**30:.3f} GiB")
     return size
 
@@ -948,7 +1051,7 @@ def zlib_crc(s):
     return zlib.crc32(s.encode())
 
 
-def export_synthetic(preset, out_path, fill, layers=None, seed=0, quiet=False):
+def export_synthetic(preset, out_path, fill, layers=None, seed=0, quiet=False, dtype="auto"):
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, file=sys.stderr))
     if preset not in SYNTHETIC:
         raise ExportError(f"unknown synthetic preset {preset!r}", f"choose one of {', '.join(SYNTHETIC)}")
@@ -965,6 +1068,14 @@ def export_synthetic(preset, out_path, fill, layers=None, seed=0, quiet=False):
         ids = read_special_ids(d, c)
     ck = SyntheticCheckpoint(raw, fill, seed)
     plan = plan_tensors(ck, c, "auto")
+    stats = None
+    if dtype in ("q8", "q4") and fill == "none":     # holes of the quantized size: laguna --random-weights fills them
+        plan = [(n, dt, shp, p) if len(shp) < 2 or n.endswith("mlp.gate.weight") else
+                (n, q, shp, lambda q=q, shp=shp: iter([tensor_nbytes(q, shp)]))
+                for n, dt, shp, p in plan
+                for q in [DT_Q8 if dtype == "q8" or n.endswith("embed_tokens.weight") else DT_Q4]]
+    else:
+        plan, stats = quantize_plan(plan, dtype, say)
     say(f"synthetic {preset}: {c['n_layers']} layers, weights {'random' if fill == 'random' else 'left as holes'}")
     size = write_file(out_path, config_text(c, ids), plan, quiet=quiet)
     say(f"wrote {out_path}: {len(plan)} tensors, {size / 2**30:.2f} GiB")
@@ -987,7 +1098,7 @@ def export_model(hf_dir, out_path, dtype="auto", ignore_keys=(), quiet=False):
     ck = Checkpoint(hf_dir)
     if c["tie_word_embeddings"] and not ck.has("lm_head.weight"):
         c["lm_head_missing"] = True
-    plan = plan_tensors(ck, c, dtype)
+    plan = plan_tensors(ck, c, dtype if dtype in ("auto", "bf16", "f32") else "auto")
     tok = tokenizer_blob(hf_dir, say=say)
     if tok is None:
         say("note: no tokenizer.json: the file will take token ids only (--ids, --score)")
@@ -1002,7 +1113,10 @@ def export_model(hf_dir, out_path, dtype="auto", ignore_keys=(), quiet=False):
         f"vocab {c['vocab_size']}, experts {c['num_experts']} top-{c['num_experts_per_tok']}")
     for t, (inv, scale, rd) in sorted(c["rope"].items()):
         say(f"rope {t}: rotary dim {rd}, attention scaling {scale!r}")
+    plan, stats = quantize_plan(plan, dtype, say)
     size = write_file(out_path, config_text(c, ids), plan, quiet=quiet)
+    if stats:
+        stats.summary()
     say(f"wrote {out_path}: {len(plan)} tensors, {size / 2**30:.3f} GiB")
     return size
 
@@ -1019,8 +1133,9 @@ def main(argv=None):
         epilog="example: python3 export.py ~/Laguna-XS-2.1 laguna-xs-2.1.bin")
     ap.add_argument("hf_dir", nargs="?", help="checkpoint directory: config.json, *.safetensors, tokenizer.json, ...")
     ap.add_argument("out", nargs="?", help="output file")
-    ap.add_argument("--dtype", choices=["auto", "bf16", "f32"], default="auto",
-                    help="matmul weight dtype (default: auto = keep the checkpoint's; norms are always f32)")
+    ap.add_argument("--dtype", choices=["auto", "bf16", "f32", "q8", "q4"], default="auto",
+                    help="matmul weight dtype (default: auto = keep the checkpoint's; norms are always f32). "
+                         "q8: int8, q4: 4-bit, one fp16 scale per 32 weights (embedding q8, router bf16)")
     ap.add_argument("--ignore-key", action="append", default=[], metavar="KEY",
                     help="accept an unknown config.json key you know does not change the math")
     ap.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
@@ -1040,7 +1155,7 @@ def main(argv=None):
         ap.error("give HF_DIR and OUT (or --synthetic PRESET OUT)")
     try:
         if args.synthetic:
-            export_synthetic(args.synthetic, args.out, args.fill, args.layers, args.seed, args.quiet)
+            export_synthetic(args.synthetic, args.out, args.fill, args.layers, args.seed, args.quiet, args.dtype)
             return 0
         if not os.path.isdir(args.hf_dir):
             raise ExportError(f"{args.hf_dir} is not a directory", "pass the checkpoint directory, not a file")

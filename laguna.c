@@ -58,6 +58,36 @@ float bf16_to_float(uint16_t b) {
     return f;
 }
 
+float fp16_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 0x1f, man = h & 0x3ff, u;
+    if (exp == 0x1f) u = sign | 0x7f800000u | (man << 13);          /* inf / nan */
+    else if (exp) u = sign | ((exp + 112) << 23) | (man << 13);      /* normal: rebias 15 -> 127 */
+    else if (!man) u = sign;                                          /* zero */
+    else {                                                            /* subnormal: normalise */
+        int e = -1;
+        do { man <<= 1; e++; } while (!(man & 0x400));
+        u = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ff) << 13);
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Bytes of a tensor's data in the file (see laguna.h for the quantized layout). */
+uint64_t tensor_bytes(int dtype, int ndim, const int64_t *shape) {
+    uint64_t n = 1, rows = 1;
+    for (int d = 0; d < ndim; d++) n *= (uint64_t)shape[d];
+    for (int d = 0; d + 1 < ndim; d++) rows *= (uint64_t)shape[d];
+    uint64_t groups = ((uint64_t)shape[ndim - 1] + LAGUNA_QGROUP - 1) / LAGUNA_QGROUP;
+    switch (dtype) {
+    case DT_F32: return n * 4;
+    case DT_BF16: return n * 2;
+    case DT_Q8: return rows * groups * (LAGUNA_QGROUP + 2);
+    case DT_Q4: return rows * groups * (LAGUNA_QGROUP / 2 + 2);
+    default: return n;
+    }
+}
+
 /* ----------------------------------------------------------------------------
  * loading: mmap the file, check everything, point the weights into it */
 
@@ -77,8 +107,8 @@ static int bind(const Model *m, Tensor *t, const char *name, int want_f32, int n
     if (!e) FAIL("tensor %s is missing from %s\n  hint: %s", name, m->path, HINT_REEXPORT);
     if (want_f32 && e->dtype != DT_F32) FAIL("tensor %s should be f32, is dtype %u\n  hint: %s", name, e->dtype,
                                               HINT_REEXPORT);
-    if (!want_f32 && e->dtype != DT_F32 && e->dtype != DT_BF16)
-        FAIL("tensor %s has dtype %u; this build reads f32 and bf16 weights", name, e->dtype);
+    if (!want_f32 && e->dtype != DT_F32 && e->dtype != DT_BF16 && e->dtype != DT_Q8 && e->dtype != DT_Q4)
+        FAIL("tensor %s has dtype %u, not a weight type (f32, bf16, q8, q4)\n  hint: %s", name, e->dtype, HINT_REEXPORT);
     int64_t want[3] = {d0, d1, d2};
     if ((int)e->ndim != ndim) FAIL("tensor %s has %u dims, expected %d\n  hint: %s", name, e->ndim, ndim,
                                    HINT_REEXPORT);
@@ -90,6 +120,15 @@ static int bind(const Model *m, Tensor *t, const char *name, int want_f32, int n
     t->dtype = (int)e->dtype;
     t->ndim = ndim;
     for (int i = 0; i < 4; i++) t->shape[i] = e->shape[i];
+    t->scales = NULL;
+    t->groups = 0;
+    if (t->dtype == DT_Q8 || t->dtype == DT_Q4) {    /* the scale plane follows the value plane */
+        int64_t rows = 1;
+        for (int i = 0; i + 1 < ndim; i++) rows *= e->shape[i];
+        t->groups = (int)((e->shape[ndim - 1] + LAGUNA_QGROUP - 1) / LAGUNA_QGROUP);
+        int64_t vbytes = rows * t->groups * (t->dtype == DT_Q8 ? LAGUNA_QGROUP : LAGUNA_QGROUP / 2);
+        t->scales = (const uint16_t *)((const char *)t->data + vbytes);
+    }
     return 0;
 }
 
@@ -327,7 +366,7 @@ int load_model(Model *m, const char *path, int kind, char *err, size_t errsz) {
     for (uint64_t i = 0; i < m->n_tensors; i++) {
         const TensorEntry *e = &m->dir[i];
         if (memchr(e->name, 0, sizeof e->name) == NULL) FAIL("tensor %llu has an unterminated name", (unsigned long long)i);
-        if (e->ndim < 1 || e->ndim > 4 || e->dtype > DT_U8)
+        if (e->ndim < 1 || e->ndim > 4 || e->dtype > DT_Q4)
             FAIL("tensor %s has ndim %u / dtype %u\n  hint: %s", e->name, e->ndim, e->dtype, HINT_REEXPORT);
         uint64_t n = 1;
         for (uint32_t d = 0; d < e->ndim; d++) {
@@ -335,7 +374,15 @@ int load_model(Model *m, const char *path, int kind, char *err, size_t errsz) {
             n *= (uint64_t)e->shape[d];
             if (n > size) FAIL("tensor %s is larger than the file", e->name);
         }
-        uint64_t bytes = n * (e->dtype == DT_F32 ? 4 : e->dtype == DT_BF16 ? 2 : 1);
+        uint64_t bytes = tensor_bytes((int)e->dtype, (int)e->ndim, e->shape);
+        /* the next tensor (in file order) must not start inside this one: sizes and scales are consistent */
+        uint64_t next = size;
+        for (uint64_t j = 0; j < m->n_tensors; j++)
+            if (m->dir[j].offset > e->offset && m->dir[j].offset < next) next = m->dir[j].offset;
+        if (e->offset <= size && bytes > next - e->offset && next != size)
+            FAIL("tensor %s (%llu bytes as %s) overlaps the next tensor\n  hint: the file is corrupt or its sizes "
+                 "and scales are inconsistent; %s", e->name, (unsigned long long)bytes,
+                 e->dtype == DT_Q8 ? "q8" : e->dtype == DT_Q4 ? "q4" : "stored", HINT_REEXPORT);
         if (e->offset % LAGUNA_ALIGN || e->offset > size || bytes > size - e->offset)
             FAIL("tensor %s lies outside the file (offset %llu, %llu bytes)\n  hint: the file is corrupt; %s",
                  e->name, (unsigned long long)e->offset, (unsigned long long)bytes, HINT_REEXPORT);
@@ -452,7 +499,46 @@ static float dot_bf16(const uint16_t *w, const float *x, int n) {
     return s;
 }
 
-/* out[t, i] = sum_j W[row0 + i, j] * x[t, j]   for t < n, i < d;  W is [*, in] (f32 or bf16), read in place.
+/* q8 / q4 rows: per group of 32, scale * sum(value * x) (the last group may be partial) */
+static float dot_q8(const int8_t *q, const uint16_t *scales, const float *x, int n) {
+    double s = 0.0;
+    for (int g = 0; g * LAGUNA_QGROUP < n; g++) {
+        int len = n - g * LAGUNA_QGROUP < LAGUNA_QGROUP ? n - g * LAGUNA_QGROUP : LAGUNA_QGROUP;
+        const int8_t *qg = q + g * LAGUNA_QGROUP;
+        const float *xg = x + g * LAGUNA_QGROUP;
+        float acc = 0.0f;
+        for (int i = 0; i < len; i++) acc += (float)qg[i] * xg[i];
+        s += (double)fp16_to_float(scales[g]) * acc;
+    }
+    return (float)s;
+}
+
+static float dot_q4(const uint8_t *q, const uint16_t *scales, const float *x, int n) {
+    double s = 0.0;
+    for (int g = 0; g * LAGUNA_QGROUP < n; g++) {
+        int len = n - g * LAGUNA_QGROUP < LAGUNA_QGROUP ? n - g * LAGUNA_QGROUP : LAGUNA_QGROUP;
+        const uint8_t *qg = q + g * LAGUNA_QGROUP / 2;
+        const float *xg = x + g * LAGUNA_QGROUP;
+        float acc = 0.0f;
+        for (int i = 0; i < len; i++) acc += (float)(((qg[i / 2] >> (4 * (i & 1))) & 15) - 8) * xg[i];
+        s += (double)fp16_to_float(scales[g]) * acc;
+    }
+    return (float)s;
+}
+
+/* row r of a weight as fp32 (the embedding lookup) */
+static void weight_row(float *out, const Tensor *w, int64_t r, int n) {
+    if (w->dtype == DT_F32) { memcpy(out, (const float *)w->data + r * n, n * sizeof(float)); return; }
+    for (int i = 0; i < n; i++) {
+        if (w->dtype == DT_BF16) { out[i] = bf16_to_float(((const uint16_t *)w->data)[r * n + i]); continue; }
+        float sc = fp16_to_float(w->scales[r * w->groups + i / LAGUNA_QGROUP]);
+        int v = w->dtype == DT_Q8 ? ((const int8_t *)w->data)[r * w->groups * LAGUNA_QGROUP + i]
+              : ((((const uint8_t *)w->data)[r * w->groups * LAGUNA_QGROUP / 2 + i / 2] >> (4 * (i & 1))) & 15) - 8;
+        out[i] = v * sc;
+    }
+}
+
+/* out[t, i] = sum_j W[row0 + i, j] * x[t, j]   for t < n, i < d;  W is [*, in] (f32, bf16, q8, q4), read in place.
  * Each weight row is read once for all n tokens: prefill and verification pay for the weights once. */
 static void matmul(float *out, const float *x, const Tensor *w, int64_t row0, int n, int in, int d) {
 #pragma omp parallel for schedule(static)
@@ -461,6 +547,14 @@ static void matmul(float *out, const float *x, const Tensor *w, int64_t row0, in
         if (w->dtype == DT_BF16) {
             const uint16_t *wr = (const uint16_t *)w->data + r * in;
             for (int t = 0; t < n; t++) out[(size_t)t * d + i] = dot_bf16(wr, x + (size_t)t * in, in);
+        } else if (w->dtype == DT_Q8) {
+            const int8_t *wr = (const int8_t *)w->data + r * w->groups * LAGUNA_QGROUP;
+            for (int t = 0; t < n; t++)
+                out[(size_t)t * d + i] = dot_q8(wr, w->scales + r * w->groups, x + (size_t)t * in, in);
+        } else if (w->dtype == DT_Q4) {
+            const uint8_t *wr = (const uint8_t *)w->data + r * w->groups * LAGUNA_QGROUP / 2;
+            for (int t = 0; t < n; t++)
+                out[(size_t)t * d + i] = dot_q4(wr, w->scales + r * w->groups, x + (size_t)t * in, in);
         } else {
             const float *wr = (const float *)w->data + r * in;
             for (int t = 0; t < n; t++) out[(size_t)t * d + i] = dot_f32(wr, x + (size_t)t * in, in);
@@ -645,15 +739,7 @@ float *forward(Model *m, const int *tokens, int n, int pos, int all_logits) {
     int H = c->dim, D = c->head_dim, KVD = c->kv_dim;
 
     /* token embedding: h = embed[token] (no scaling) */
-    for (int t = 0; t < n; t++) {
-        float *x = s->x + (size_t)t * H;
-        if (w->embed.dtype == DT_BF16) {
-            const uint16_t *row = (const uint16_t *)w->embed.data + (int64_t)tokens[t] * H;
-            for (int i = 0; i < H; i++) x[i] = bf16_to_float(row[i]);
-        } else {
-            memcpy(x, (const float *)w->embed.data + (int64_t)tokens[t] * H, H * sizeof(float));
-        }
-    }
+    for (int t = 0; t < n; t++) weight_row(s->x + (size_t)t * H, &w->embed, tokens[t], H);
 
     for (int l = 0; l < c->n_layers; l++) {
         LayerWeights *lw = &w->layers[l];

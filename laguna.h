@@ -19,7 +19,11 @@
 #define LAGUNA_MAX_EOS 16
 #define LAGUNA_MAX_TAPS 16
 
-enum { DT_F32 = 0, DT_BF16 = 1, DT_U8 = 2 };
+enum { DT_F32 = 0, DT_BF16 = 1, DT_U8 = 2, DT_Q8 = 3, DT_Q4 = 4 };
+/* q8 / q4: symmetric, one fp16 scale per group of LAGUNA_QGROUP consecutive weights of a row. A quantized
+ * tensor's data is two planes: every row's values (padded to whole groups; int8, or 4-bit pairs with the
+ * low nibble first, value = nibble - 8), then every row's scales. w = value * scale. */
+#define LAGUNA_QGROUP 32
 enum { KIND_MODEL = 0, KIND_DRAFTER = 1 };
 enum { ATTN_FULL = 0, ATTN_SLIDING = 1 };  /* also the index of the rope tables */
 enum { MLP_DENSE = 0, MLP_SPARSE = 1 };
@@ -47,10 +51,12 @@ typedef struct {
 
 /* A tensor inside the mapped file: weights are read in place (bf16 or f32), never copied. */
 typedef struct {
-    const void *data;
+    const void *data;        /* f32 / bf16 values, or the q8 / q4 value plane */
     int dtype;
     int ndim;
     int64_t shape[4];
+    const uint16_t *scales;  /* q8 / q4: fp16 scales [rows][groups] */
+    int groups;              /* q8 / q4: groups per row = ceil(shape[ndim-1] / LAGUNA_QGROUP) */
 } Tensor;
 
 typedef struct {
@@ -173,6 +179,8 @@ int load_model(Model *m, const char *path, int kind, char *err, size_t errsz);
 void free_model(Model *m);
 const TensorEntry *find_tensor(const Model *m, const char *name);
 float bf16_to_float(uint16_t b);
+float fp16_to_float(uint16_t h);
+uint64_t tensor_bytes(int dtype, int ndim, const int64_t *shape);
 
 /* laguna.cu (GPU backend); a CPU-only build provides stubs that report no GPU */
 typedef struct GpuModel GpuModel;

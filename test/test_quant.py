@@ -1,0 +1,121 @@
+"""Quantized files (export.py --dtype q8 / q4): quantize -> dequantize error bounds, the C q8/q4 kernels against
+the same weights dequantized to f32 in numpy, and the loader's refusal of inconsistent quantized tensors."""
+import struct
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import FIXTURES, ROOT, run
+
+import export
+
+DT_NAMES = {3: "q8", 4: "q4"}
+
+
+def read_file(path):
+    b = open(path, "rb").read()
+    magic, ver, kind, al, size, coff, csz, doff, n = struct.unpack_from("<IIIIQQQQQ", b)
+    ents = []
+    for i in range(n):
+        name, dt, nd, s0, s1, s2, s3, off = struct.unpack_from("<80sII4qQ", b, doff + i * 128)
+        ents.append((name.split(b"\0")[0].decode(), dt, tuple([s0, s1, s2, s3][:nd]), off))
+    return b, kind, b[coff:coff + csz], ents, doff
+
+
+def dequantize(b, dt, shape, off):
+    """Read a q8 / q4 tensor the way laguna.h documents the layout (independent of export.quantize_rows)."""
+    rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+    cols = shape[-1]
+    G = -(-cols // 32)
+    if dt == 3:
+        v = np.frombuffer(b, np.int8, rows * G * 32, off).reshape(rows, G, 32).astype(np.float32)
+        sc = np.frombuffer(b, np.float16, rows * G, off + rows * G * 32)
+    else:
+        p = np.frombuffer(b, np.uint8, rows * G * 16, off).reshape(rows, G, 16)
+        v = np.stack([p & 15, p >> 4], -1).reshape(rows, G, 32).astype(np.float32) - 8
+        sc = np.frombuffer(b, np.float16, rows * G, off + rows * G * 16)
+    return (v * sc.astype(np.float32).reshape(rows, G, 1)).reshape(rows, G * 32)[:, :cols].reshape(shape)
+
+
+def dequantized_copy(src, dst):
+    """The same model with every q8 / q4 tensor dequantized to f32: what the C kernels must compute."""
+    b, kind, cfg, ents, _ = read_file(src)
+    plan = []
+    for name, dt, shape, off in ents:
+        if dt in (3, 4):
+            arr, odt = dequantize(b, dt, shape, off), 0
+        else:
+            npdt = {0: np.float32, 1: np.uint16, 2: np.uint8}[dt]
+            arr, odt = np.frombuffer(b, npdt, int(np.prod(shape)), off).reshape(shape), dt
+        plan.append((name, odt, shape, lambda a=arr: iter([a])))
+    export.write_file(dst, cfg, plan, kind=kind, quiet=True)
+
+
+@pytest.mark.parametrize("dt", [export.DT_Q8, export.DT_Q4])
+@pytest.mark.parametrize("cols", [64, 100, 31])
+def test_roundtrip_error_bounds(dt, cols):
+    rng = np.random.default_rng(cols)
+    w = rng.standard_normal((37, cols)).astype(np.float32) * rng.uniform(0.01, 3, (37, 1)).astype(np.float32)
+    vals, scales, deq = export.quantize_rows(w, dt)
+    G = -(-cols // 32)
+    assert scales.shape == (37, G) and vals.shape == (37, G * (32 if dt == export.DT_Q8 else 16))
+    # every element is within half a quantization step of the original; q4 (values -8..7, the largest magnitude
+    # at -8) can clip a value of the other sign by one step
+    step = np.repeat(np.abs(scales.astype(np.float32)), 32, axis=1)[:, :cols]
+    err = np.abs(deq - w)
+    bound = 0.5 if dt == export.DT_Q8 else 1.0
+    assert (err <= bound * step * 1.01 + 1e-7).all(), float((err / step).max())
+    amax = np.abs(w).max()
+    rel = float(np.sqrt(np.mean((deq - w) ** 2)) / np.sqrt(np.mean(w ** 2)))
+    assert rel < (0.01 if dt == export.DT_Q8 else 0.15), rel
+    assert np.abs(deq).max() <= amax * 1.01
+
+
+@pytest.mark.parametrize("dtype", ["q8", "q4"])
+@pytest.mark.parametrize("name", ["xs2_f32", "xs21_bf16", "variant"])
+def test_quantized_kernels_equal_dequantized_weights(laguna, exported, tmp_path, name, dtype):
+    q = exported(name, "--dtype", dtype)
+    deq = str(tmp_path / "deq.bin")
+    dequantized_copy(q, deq)
+    score = f"{FIXTURES}/{name}/score.txt"
+    out = {}
+    for key, path in (("q", q), ("deq", deq)):
+        run([laguna, path, "--score", score, "--logits", str(tmp_path / f"logits_{key}.bin"), "-q"])
+        out[key] = np.fromfile(tmp_path / f"logits_{key}.bin", dtype=np.float32)
+    diff = float(np.abs(out["q"] - out["deq"]).max())
+    print(f"\n{name} {dtype}: max |logit(q kernels) - logit(dequantized f32)| = {diff:.3g}")
+    assert diff <= 1e-4
+    # the file really is quantized, embedding q8, router kept
+    _, _, _, ents, _ = read_file(q)
+    kinds = {n: dt for n, dt, _, _ in ents}
+    assert kinds["model.embed_tokens.weight"] == 3
+    assert kinds["model.layers.1.self_attn.q_proj.weight"] == (3 if dtype == "q8" else 4)
+    assert kinds["model.layers.2.mlp.gate.weight"] in (0, 1)
+
+
+def test_quantized_drafter_runs_losslessly(laguna, exported):
+    prompt = open(f"{FIXTURES}/xs2_f32/prompt.txt").read().strip()
+    want = run([laguna, exported("xs2_f32"), "--ids", prompt, "-t", "0", "-n", "20", "-q"]).stdout
+    got = run([laguna, exported("xs2_f32"), "-d", exported("draft_xs2", "--dtype", "q4"), "--ids", prompt, "-t", "0",
+               "-n", "20", "-q"]).stdout
+    assert got == want
+
+
+def test_loader_refuses_inconsistent_quantized_tensor(laguna, exported, tmp_path):
+    from test_model import expect_error
+    b, _, _, ents, doff = read_file(exported("xs2_f32", "--dtype", "q8"))
+    data = bytearray(b)
+    for i, (name, dt, shape, off) in enumerate(ents):
+        if name == "model.layers.1.self_attn.o_proj.weight":
+            struct.pack_into("<I", data, doff + i * 128 + 80, 1)   # claims bf16: the sizes no longer add up
+    p = tmp_path / "bad.bin"
+    p.write_bytes(bytes(data))
+    r = expect_error([laguna, str(p), "--ids", "1 2"], "o_proj")
+    # a quantized tensor whose columns are not what the config says
+    data = bytearray(b)
+    for i, (name, dt, shape, off) in enumerate(ents):
+        if name == "model.layers.2.self_attn.k_proj.weight":
+            struct.pack_into("<q", data, doff + i * 128 + 96, 65)
+    p.write_bytes(bytes(data))
+    expect_error([laguna, str(p), "--ids", "1 2"], "k_proj")
