@@ -23,9 +23,34 @@ laguna-debug: $(SRC) $(HDR)
 test: laguna
 	python3 -m pytest -q test/
 
-.PHONY: clean test
+# the GPU build: laguna.c with -DLAGUNA_CUDA + tokenizer.c (host compiler) and laguna.cu (nvcc), linked by nvcc
+cuda: laguna.cu $(SRC) $(HDR)
+	$(CC) $(CFLAGS) -DLAGUNA_CUDA -c laguna.c -o laguna-gpu.o
+	$(CC) $(CFLAGS) -c tokenizer.c -o tokenizer.o
+	$(NVCC) $(NVCCFLAGS) -c laguna.cu -o laguna-cu.o
+	$(NVCC) $(NVCCFLAGS) laguna-gpu.o tokenizer.o laguna-cu.o -o laguna -lcublas -lm
+
+# GPU tests and benchmark (on a machine with an NVIDIA GPU; test-gpu skips cleanly without one)
+test-gpu:
+	python3 -m pytest -q -s -rs test/test_gpu.py
+
+dev/bench_gpu: dev/bench_gpu.c laguna.cu $(SRC) $(HDR)
+	$(CC) $(CFLAGS) -Wno-unused-function -DLAGUNA_CUDA -c dev/bench_gpu.c -o bench_gpu.o
+	$(CC) $(CFLAGS) -c tokenizer.c -o tokenizer.o
+	$(NVCC) $(NVCCFLAGS) -c laguna.cu -o laguna-cu.o
+	$(NVCC) $(NVCCFLAGS) bench_gpu.o tokenizer.o laguna-cu.o -o $@ -lcublas -lm
+
+dev/matvec_lab: dev/matvec_lab.cu laguna.cu laguna.h
+	$(NVCC) $(NVCCFLAGS) dev/matvec_lab.cu -o $@ -lcublas
+
+bench: dev/bench_gpu dev/matvec_lab
+	./dev/matvec_lab
+	python3 export.py -q --synthetic XS-2.1 /dev/shm/xs21.bin
+	./dev/bench_gpu /dev/shm/xs21.bin
+
+.PHONY: clean test cuda test-gpu bench
 clean:
-	rm -f laguna laguna-debug laguna-cuda *.o
+	rm -f laguna laguna-debug laguna-cuda dev/bench_gpu dev/matvec_lab *.o
 
 # tokenizer speed: encode a file, tokens/s on one core (make bench_tokenizer && ./bench_tokenizer MODEL.bin FILE)
 bench_tokenizer: dev/bench_tokenizer.c tokenizer.c tokenizer.h tokenizer_unicode.h
