@@ -449,7 +449,9 @@ def read_special_ids(hf_dir, cfg):
 # the tensor plan: (file name, laguna dtype, shape, producer of the data)
 
 def is_norm_like(name):
-    return name.endswith("norm.weight") or name.endswith(".bias") or "e_score_correction_bias" in name
+    """Norm weights, biases and the router's correction bias: kept in f32 (the C side reads them as f32)."""
+    return (name.endswith("norm.weight") or name.endswith(".bias") or "e_score_correction_bias" in name
+            or (".norms." in name or "_norms." in name) and name.endswith(".weight"))
 
 
 def plan_tensors(ck, c, want_dtype):

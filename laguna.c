@@ -1575,9 +1575,12 @@ int main(int argc, char **argv) {
     Engine eng = {&model, NULL};
     model.random_weights = o.random_weights;
     model.random_seed = o.random_seed;
+    int quantized = 0;
+    for (uint64_t i = 0; i < model.n_tensors; i++) quantized |= model.dir[i].dtype == DT_Q8 || model.dir[i].dtype == DT_Q4;
     if (use_gpu) {
-        if (o.draft_path) {
-            if (!o.quiet) fprintf(stderr, "note: DFlash runs on the CPU backend in this version\n");
+        if (o.draft_path || quantized) {
+            if (!o.quiet) fprintf(stderr, "note: %s runs on the CPU backend in this version\n",
+                                  o.draft_path ? "DFlash" : "a quantized model");
         } else {
             eng.gpu = gpu_init(&model, ctx, max_tokens, err, sizeof err);   /* fills random weights itself */
             if (!eng.gpu) die("%s", err);

@@ -228,3 +228,36 @@ def test_export_refuses_broken_drafters(tmp_path):
     cfg["layer_types"] = ["sliding_attention", "full_attention"]
     (d / "config.json").write_text(json.dumps(cfg))
     expect_error(cmd, "layer_types")
+
+
+def write_bf16_safetensors(tensors, path):
+    """safetensors with every tensor in bf16 (numpy has no bf16: written by hand, round-to-nearest-even)."""
+    import json
+    import export
+    header, blobs, off = {}, [], 0
+    for name in sorted(tensors):
+        raw = export.f32_to_bf16(tensors[name].astype(np.float32)).tobytes()
+        header[name] = {"dtype": "BF16", "shape": list(tensors[name].shape), "data_offsets": [off, off + len(raw)]}
+        blobs.append(raw)
+        off += len(raw)
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(h)) + h + b"".join(blobs))
+
+
+def test_all_bf16_drafter_checkpoint(laguna, models, tmp_path):
+    """The released drafter is bf16 throughout (norms too): export keeps norms f32 and it runs losslessly."""
+    import shutil
+    import sys
+    from safetensors.numpy import load_file
+    from test_model import ROOT
+    d = tmp_path / "bf16"
+    shutil.copytree(fx("draft_xs2", "hf"), d)
+    write_bf16_safetensors(load_file(str(d / "model.safetensors")), str(d / "model.safetensors"))
+    out = str(tmp_path / "d.bin")
+    run([sys.executable, os.path.join(ROOT, "export.py"), "-q", str(d), out])
+    prompt = " ".join(ids_of(fx("xs2_f32", "score.txt"))[:20])
+    want, _ = generate(laguna, models["xs2"], prompt, "-n", "30", "-q")
+    got, _ = generate(laguna, models["xs2"], prompt, "-n", "30", "-q", "-d", out)
+    assert got == want

@@ -1,0 +1,98 @@
+/* dev/bench_gpu.c -- the GPU benchmark behind `make bench` (results: dev/gpu_notes.md).
+ *
+ *   python3 export.py --synthetic XS-2.1 /dev/shm/xs21.bin && ./dev/bench_gpu /dev/shm/xs21.bin [contexts...]
+ *
+ * The synthetic file has the exact Laguna-XS-2.1 shapes with its matmul weights left as holes; the weights are
+ * filled on the GPU with the --random-weights hash (seed 1). One GpuModel with the full 262,144-token window:
+ * for each context L, prefill L random tokens (timed: prefill tok/s; at 131,072 the time to first token), then
+ * 128 greedy decode steps through the CUDA graph (timed after 8 warm-up steps), then 16-token forwards at L
+ * (the DFlash verification shape, timed, rolled back each time). Achieved GB/s counts the bytes each token must
+ * read: the attention, dense, router, 8 routed + shared experts and lm_head weights in bf16, plus the K/V
+ * cache at that context (shared/spec/performance.md). */
+#define TESTING
+#include "../laguna.c"
+
+static double weight_bytes_per_token(const Config *c) {
+    double p = 0;
+    int H = c->dim, D = c->head_dim, KVD = c->kv_dim;
+    for (int l = 0; l < c->n_layers; l++) {
+        int nh = c->n_heads[l];
+        p += (double)nh * D * H * 2 + 2.0 * KVD * H + (double)(c->gate_per_head ? nh : nh * D) * H;
+        if (c->mlp_type[l] == MLP_DENSE) p += 3.0 * H * c->hidden_dim;
+        else p += (double)c->n_experts * H + 3.0 * H * c->moe_hidden_dim * c->n_experts_active + 3.0 * H * c->shared_hidden_dim;
+    }
+    p += (double)c->vocab_size * H;
+    return 2 * p;
+}
+
+static double kv_bytes_per_token(const Config *c, int ctx) {
+    double b = 0;
+    for (int l = 0; l < c->n_layers; l++) {
+        int keys = c->layer_type[l] == ATTN_FULL ? ctx : (ctx < c->sliding_window ? ctx : c->sliding_window);
+        b += (double)keys * c->kv_dim * 2 * 2;
+    }
+    return b;
+}
+
+static int argmax_row(const float *x, int n) { return argmax(x, n); }
+
+int main(int argc, char **argv) {
+    if (argc < 2) { fprintf(stderr, "usage: bench_gpu XS21.bin [contexts...]\n"); return 1; }
+    static Model m;
+    char err[1024], info[256];
+    if (load_model(&m, argv[1], KIND_MODEL, err, sizeof err)) die("%s", err);
+    if (!gpu_available(info, sizeof info)) die("no GPU");
+    Config *c = &m.config;
+    m.random_weights = 1;
+    m.random_seed = 1;
+    int ctx = c->max_seq_len, T = 2048;
+    double t0 = now_s();
+    GpuModel *g = gpu_init(&m, ctx, T, err, sizeof err);
+    if (!g) die("%s", err);
+    printf("gpu: %s\n%s\ninit (random fill on the device) %.1f s\n", info, gpu_summary(g), now_s() - t0);
+
+    int contexts[16] = {512, 2048, 8192, 32768, 131072}, nc = 5;
+    if (argc > 2) { nc = 0; for (int i = 2; i < argc && nc < 16; i++) contexts[nc++] = atoi(argv[i]); }
+    int maxL = 0;
+    for (int i = 0; i < nc; i++) if (contexts[i] > maxL) maxL = contexts[i];
+    int *ids = xcalloc((size_t)maxL + 256, sizeof(int));
+    unsigned long long rng = 42;
+    for (int i = 0; i < maxL + 256; i++) ids[i] = 3 + (int)(random_u32(&rng) % (unsigned)(c->vocab_size - 3));
+
+    double wb = weight_bytes_per_token(c);
+    printf("\nweights read per decoded token: %.3f GB (bf16)\n\n", wb / 1e9);
+    printf("| context | prefill tok/s | prefill s | decode tok/s | ms/token | GB/token | GB/s | of 4.3 TB/s | "
+           "verify 16 ms | verify / decode |\n|---|---|---|---|---|---|---|---|---|---|\n");
+    for (int ci = 0; ci < nc; ci++) {
+        int L = contexts[ci];
+        /* prefill L tokens in chunks of T (the first run of a shape also warms cuBLAS; 512 is first) */
+        double tp = now_s();
+        float *logits = NULL;
+        for (int i = 0; i < L; i += T) logits = gpu_forward(g, ids + i, L - i < T ? L - i : T, i, 0);
+        int next = argmax_row(logits, c->vocab_size);
+        double prefill_s = now_s() - tp;
+        /* decode: 8 warm-up steps, then 128 timed */
+        int pos = L;
+        for (int i = 0; i < 8; i++) next = gpu_decode_step(g, next, pos++, 0.0f, 0.0f, 0.0f);
+        int steps = 128;
+        double td = now_s();
+        for (int i = 0; i < steps; i++) next = gpu_decode_step(g, next, pos++, 0.0f, 0.0f, 0.0f);
+        double dec_s = (now_s() - td) / steps;
+        /* verification: 16 tokens at L with all their logits (rolled back: same position every time) */
+        for (int i = 0; i < 2; i++) gpu_forward(g, ids + L, 16, L, 1);
+        double tv = now_s();
+        int reps = 10;
+        for (int i = 0; i < reps; i++) gpu_forward(g, ids + L, 16, L, 1);
+        double ver_s = (now_s() - tv) / reps;
+        double bytes = wb + kv_bytes_per_token(c, L + 72);
+        printf("| %d | %.0f | %.2f | %.1f | %.3f | %.3f | %.0f | %.1f%% | %.2f | %.2fx |\n", L, L / prefill_s,
+               prefill_s, 1.0 / dec_s, dec_s * 1e3, bytes / 1e9, bytes / dec_s / 1e9, 100 * bytes / dec_s / 4.3e12,
+               ver_s * 1e3, ver_s / dec_s);
+        fflush(stdout);
+    }
+    printf("\n%s\n", gpu_summary(g));
+    gpu_free(g);
+    free(ids);
+    free_model(&m);
+    return 0;
+}
