@@ -3,6 +3,7 @@
 
     python3 export.py HF_DIR OUT.bin            # keep the checkpoint's dtype (bf16 stays bf16)
     python3 export.py HF_DIR OUT.bin --dtype f32
+    python3 export.py MODEL.bin OUT.bin --dtype q4   # re-export an exported file (e.g. quantize it)
 
 The file (little-endian, read by load_model() in laguna.c; keep the two in step):
 
@@ -1123,6 +1124,54 @@ def export_model(hf_dir, out_path, dtype="auto", ignore_keys=(), quiet=False):
     return size
 
 
+def export_from_laguna_file(src, out_path, dtype, quiet=False):
+    """Re-export a laguna file in another weight dtype (e.g. quantize models/tiny.bin to q8 / q4)."""
+    say = (lambda *a: None) if quiet else (lambda *a: print(*a, file=sys.stderr))
+    with open(src, "rb") as f:
+        head = f.read(HEADER_BYTES)
+        if len(head) < 56 or struct.unpack_from("<I", head)[0] != MAGIC:
+            raise ExportError(f"{src} is not a laguna file (nor a checkpoint directory)")
+        magic, ver, kind, al, size, coff, csz, doff, n = struct.unpack_from("<IIIIQQQQQ", head)
+        if ver != VERSION or os.path.getsize(src) != size:
+            raise ExportError(f"{src}: version {ver} or size mismatch", "re-export it from its checkpoint")
+        f.seek(coff)
+        cfg = f.read(csz)
+        f.seek(doff)
+        d = f.read(n * ENTRY_BYTES)
+    plan = []
+    for i in range(n):
+        name, dt, nd, *dims = struct.unpack_from("<80sII4qQ", d, i * ENTRY_BYTES)
+        off, shape = dims[4], tuple(dims[:nd])
+        name = name.split(b"\0")[0].decode()
+        if dt in (DT_Q8, DT_Q4):
+            raise ExportError(f"{src} is already quantized ({name}); export from the checkpoint instead")
+        npdt = {DT_F32: np.float32, DT_BF16: np.uint16, DT_U8: np.uint8}[dt]
+        out_dt = dt
+        if dtype in ("f32", "bf16") and len(shape) >= 2:
+            out_dt = DT_F32 if dtype == "f32" else DT_BF16
+
+        def produce(off=off, shape=shape, npdt=npdt, dt=dt, out_dt=out_dt):
+            rows = shape[0]
+            row_elems = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
+            step = max(1, (16 << 20) // (row_elems * np.dtype(npdt).itemsize))
+            with open(src, "rb") as fh:
+                for r in range(0, rows, step):
+                    k = min(step, rows - r)
+                    fh.seek(off + r * row_elems * np.dtype(npdt).itemsize)
+                    a = np.frombuffer(fh.read(k * row_elems * np.dtype(npdt).itemsize), dtype=npdt)
+                    a = a.reshape((k,) + tuple(shape[1:]))
+                    if out_dt != dt:
+                        a = f32_to_bf16(a) if out_dt == DT_BF16 else bf16_to_f32(a)
+                    yield a
+        plan.append((name, out_dt, shape, produce))
+    plan, stats = quantize_plan(plan, dtype, say)
+    size = write_file(out_path, cfg, plan, kind=kind, quiet=quiet)
+    if stats:
+        stats.summary()
+    say(f"wrote {out_path}: {len(plan)} tensors, {size / 2**30:.3f} GiB")
+    return size
+
+
 def tokenizer_vocab_size_hint(blob):
     """Highest token id + 1 in the tokenizer blob, if the tokenizer code exposes it."""
     fn = globals().get("_tok_blob_vocab_size")
@@ -1159,8 +1208,11 @@ def main(argv=None):
         if args.synthetic:
             export_synthetic(args.synthetic, args.out, args.fill, args.layers, args.seed, args.quiet, args.dtype)
             return 0
+        if os.path.isfile(args.hf_dir):          # a laguna file: re-export it in another dtype
+            export_from_laguna_file(args.hf_dir, args.out, args.dtype, args.quiet)
+            return 0
         if not os.path.isdir(args.hf_dir):
-            raise ExportError(f"{args.hf_dir} is not a directory", "pass the checkpoint directory, not a file")
+            raise ExportError(f"{args.hf_dir} is not a directory", "pass the checkpoint directory")
         export_model(args.hf_dir, args.out, args.dtype, set(args.ignore_key), args.quiet)
     except ExportError as e:
         print(f"export.py: error: {e}", file=sys.stderr)

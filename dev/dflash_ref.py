@@ -42,6 +42,18 @@ def apply_rope(x, pos, inv_freq, scaling=1.0):
     return torch.cat([xr * cos + rot * sin, xp], -1)
 
 
+def apply_rope_nd(x, pos, inv_freq, scaling=1.0):
+    """apply_rope for any leading dims: x [..., T, heads, D], pos [..., T]."""
+    rd = inv_freq.numel() * 2
+    freqs = pos.float()[..., None] * inv_freq
+    emb = torch.cat([freqs, freqs], -1)
+    cos, sin = (emb.cos() * scaling)[..., None, :], (emb.sin() * scaling)[..., None, :]
+    xr, xp = x[..., :rd], x[..., rd:]
+    x1, x2 = xr[..., : rd // 2], xr[..., rd // 2:]
+    rot = torch.cat([-x2, x1], -1)
+    return torch.cat([xr * cos + rot * sin, xp], -1)
+
+
 class Layer(nn.Module):
     def __init__(self, H, nh, nkv, D, F_, per_head):
         super().__init__()
@@ -137,6 +149,63 @@ class LagunaDFlash(nn.Module):
     def draft_logits(self, ctx, ctx_pos, bonus, P, block, embed, lm_head):
         tokens = torch.tensor([bonus] + [self.mask_id] * (block - 1))
         return self.draft_hidden(ctx, ctx_pos, tokens, P, embed)[1:] @ lm_head.float().T
+
+    # ---- batched training forward (dev/tiny/train_drafter.py); same math as draft_hidden, many blocks at once ----
+    def train_forward(self, ctx, anchors, tokens, embed, attn="sdpa"):
+        """ctx [N, T, H]: fused context (self.context of the taps) of N sequences at positions 0..T-1.
+        anchors [N, K]: block k of sequence n holds tokens[n, k] at positions anchors[n, k] + 0..B-1; a query at
+        position p sees the context positions j < anchor and its own block's keys (only o' <= o if causal), all
+        within the window (key position >= p - (W-1)), exactly as draft_hidden does for one block.
+        tokens [N, K, B] (bonus, MASK, ...); embed [V, H]. Returns the normed hidden states [N, K, B, H]."""
+        N, T, H = ctx.shape
+        K, B = anchors.shape[1], tokens.shape[2]
+        Q, dev = K * B, ctx.device
+        inv_freq = self.inv_freq.to(dev)
+        qpos = (anchors[:, :, None] + torch.arange(B, device=dev)).reshape(N, Q)           # [N, Q]
+        cpos = torch.arange(T, device=dev)
+        anc = anchors[:, :, None].expand(N, K, B).reshape(N, Q)
+        allow_c = cpos[None, None, :] < anc[:, :, None]                                   # [N, Q, T]
+        if self.window:
+            allow_c &= cpos[None, None, :] >= qpos[:, :, None] - (self.window - 1)
+        blk = torch.arange(Q, device=dev) // B
+        off = torch.arange(Q, device=dev) % B
+        allow_b = blk[:, None] == blk[None, :]                                            # [Q, Q]
+        if self.causal:
+            allow_b &= off[None, :] <= off[:, None]
+        if self.window:
+            allow_b &= off[None, :] >= off[:, None] - (self.window - 1)
+        allowed = torch.cat([allow_c, allow_b[None].expand(N, Q, Q)], -1)[:, None]        # [N, 1, Q, T+Q]
+        q_sz, kv_sz, g = self.nh * self.D, self.nkv * self.D, self.nh // self.nkv
+        h = embed[tokens.reshape(N, Q)].float()
+        for layer in self.layers:
+            u = rms(ctx, layer.input_layernorm, self.eps)
+            kvc = F.linear(u, layer.qkv_proj.weight[q_sz:])
+            kc = apply_rope_nd(rms(kvc[..., :kv_sz].reshape(N, T, self.nkv, self.D), layer.k_norm, self.eps),
+                               cpos[None].expand(N, T), inv_freq)
+            vc = kvc[..., kv_sz:].reshape(N, T, self.nkv, self.D)
+            x = rms(h, layer.input_layernorm, self.eps)
+            qkv = layer.qkv_proj(x)
+            q = apply_rope_nd(rms(qkv[..., :q_sz].reshape(N, Q, self.nh, self.D), layer.q_norm, self.eps), qpos,
+                              inv_freq)
+            kb = apply_rope_nd(rms(qkv[..., q_sz:q_sz + kv_sz].reshape(N, Q, self.nkv, self.D), layer.k_norm,
+                                   self.eps), qpos, inv_freq)
+            vb = qkv[..., q_sz + kv_sz:].reshape(N, Q, self.nkv, self.D)
+            Kx = torch.cat([kc, kb], 1).repeat_interleave(g, 2).transpose(1, 2)            # [N, nh, S, D]
+            Vx = torch.cat([vc, vb.to(vc.dtype)], 1).repeat_interleave(g, 2).transpose(1, 2)
+            qx = q.transpose(1, 2)
+            dt = Vx.dtype if torch.is_autocast_enabled() else torch.float32
+            if attn == "sdpa":
+                o = F.scaled_dot_product_attention(qx.to(dt), Kx.to(dt), Vx.to(dt), attn_mask=allowed)
+            else:
+                sc = (qx.float() @ Kx.float().transpose(-1, -2)) / math.sqrt(self.D)
+                o = torch.softmax(sc.masked_fill(~allowed, float("-inf")), -1) @ Vx.float()
+            o = o.transpose(1, 2)                                                          # [N, Q, nh, D]
+            gate = F.softplus(layer.g_proj(x).float())
+            o = o * gate[..., None] if self.per_head else o * gate.view(N, Q, self.nh, self.D)
+            h = h + layer.o_proj(o.reshape(N, Q, -1))
+            y = rms(h, layer.post_attention_layernorm, self.eps)
+            h = h + layer.down_proj(F.silu(layer.gate_proj(y)) * layer.up_proj(y))
+        return rms(h, self.norm, self.eps).reshape(N, K, B, H)
 
     # ---- checkpoint names as on disk (no "model." prefix) ----
     def state_for_disk(self):

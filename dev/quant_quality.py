@@ -1,0 +1,92 @@
+#!/usr/bin/env python3
+"""Quality of the quantized formats: perplexity, KL divergence and top-1 agreement against the unquantized file.
+
+    python3 dev/quant_quality.py MODEL HELDOUT.json [--files N] [--window 512]
+
+Exports MODEL (a checkpoint directory or an exported .bin) as is, q8 and q4 with export.py, scores the held-out token ids (a JSON with
+"files": [{"ids": "1 2 3 ..."}], as dev/tiny writes) with `laguna --score --logits`, and compares the logits of
+every scored position: KL(reference || quantized), and how often the argmax agrees.
+"""
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def score(laguna, model, ids, tmp):
+    p = os.path.join(tmp, "ids.txt")
+    with open(p, "w") as f:
+        f.write(" ".join(map(str, ids)))
+    lg = os.path.join(tmp, "logits.bin")
+    subprocess.run([laguna, model, "--score", p, "--logits", lg, "-q"], check=True, capture_output=True)
+    return np.fromfile(lg, dtype=np.float32).reshape(len(ids), -1)
+
+
+def log_softmax(x):
+    x = x.astype(np.float64)
+    m = x.max(-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", help="checkpoint directory or exported .bin")
+    ap.add_argument("heldout")
+    ap.add_argument("--files", type=int, default=0, help="score only the first N held-out files (0: all)")
+    ap.add_argument("--window", type=int, default=512)
+    ap.add_argument("--max-tokens", type=int, default=0, help="stop after scoring about this many tokens (0: all)")
+    ap.add_argument("--laguna", default=os.path.join(ROOT, "laguna"))
+    a = ap.parse_args()
+    files = json.load(open(a.heldout))["files"]
+    if a.files:
+        files = files[:a.files]
+    with tempfile.TemporaryDirectory() as tmp:
+        models = {}
+        for dt in ("auto", "q8", "q4"):
+            models[dt] = os.path.join(tmp, f"m_{dt}.bin")
+            subprocess.run([sys.executable, os.path.join(ROOT, "export.py"), "-q", a.model, models[dt],
+                            "--dtype", dt], check=True)
+        acc = {dt: dict(nll=0.0, kl=0.0, top1=0, n=0) for dt in models}
+        for f in files:
+            seq = [2] + [int(x) for x in f["ids"].split()]
+            if a.max_tokens and acc["auto"]["n"] >= a.max_tokens:
+                break
+            for s in range(0, len(seq) - 1, a.window):
+                if a.max_tokens and acc["auto"]["n"] >= a.max_tokens:
+                    break
+                win = seq[s:s + a.window + 1]
+                if len(win) < 2:
+                    continue
+                ref = log_softmax(score(a.laguna, models["auto"], win, tmp)[:-1])
+                tgt = np.array(win[1:])
+                for dt, path in models.items():
+                    lp = ref if dt == "auto" else log_softmax(score(a.laguna, path, win, tmp)[:-1])
+                    r = acc[dt]
+                    r["nll"] += float(-lp[np.arange(len(tgt)), tgt].sum())
+                    r["kl"] += float((np.exp(ref) * (ref - lp)).sum())
+                    r["top1"] += int((lp.argmax(-1) == ref.argmax(-1)).sum())
+                    r["n"] += len(tgt)
+        base = math.exp(acc["auto"]["nll"] / acc["auto"]["n"])
+        print(f"{acc['auto']['n']} held-out tokens, {len(files)} files")
+        print("| format | file MB | perplexity | vs unquantized | mean KL | top-1 agreement |")
+        print("|---|---|---|---|---|---|")
+        out = {}
+        for dt, r in acc.items():
+            ppl = math.exp(r["nll"] / r["n"])
+            size = os.path.getsize(models[dt]) / 1e6
+            name = "unquantized" if dt == "auto" else dt
+            out[name] = dict(perplexity=ppl, rel=ppl / base - 1, kl=r["kl"] / r["n"], top1=r["top1"] / r["n"], mb=size)
+            print(f"| {name} | {size:.1f} | {ppl:.4f} | {100 * (ppl / base - 1):+.2f}% | {r['kl'] / r['n']:.5f} | "
+                  f"{100 * r['top1'] / r['n']:.2f}% |")
+        print("JSON " + json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
