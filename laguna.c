@@ -1316,38 +1316,19 @@ static void dflash_free(DFlash *df) {
  * CPU and the GPU run identical weights. Norms, biases, the correction bias and the rope tables keep the file's
  * values. The private mapping is made writable: the written pages become this process's memory. */
 
-static uint64_t rw_mix(uint64_t x) {           /* splitmix64 */
-    x += 0x9E3779B97F4A7C15ull;
-    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-    return x ^ (x >> 31);
-}
-
-static float rw_value(uint64_t seed, uint64_t key, uint64_t i, float a) {
-    uint64_t h = rw_mix(rw_mix(seed ^ key) + i);
-    int s = (int)(h >> 40) - (1 << 23);                      /* 24 random bits, centred */
-    float v = (float)s * (a * (1.0f / 8388608.0f));           /* one rounding */
-    uint32_t u;
-    memcpy(&u, &v, 4);
-    u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;      /* round to nearest even bf16 */
-    memcpy(&v, &u, 4);
-    return v;
-}
-
 static void randomize_weights(Model *m, uint64_t seed) {
     if (mprotect(m->map, m->file_size, PROT_READ | PROT_WRITE) != 0) die("--random-weights: mprotect: %s", strerror(errno));
     for (uint64_t t = 0; t < m->n_tensors; t++) {
         const TensorEntry *e = &m->dir[t];
         if ((e->dtype != DT_BF16 && e->dtype != DT_F32) || e->ndim < 2) continue;
-        uint64_t key = 0xcbf29ce484222325ull;                 /* FNV-1a of the name */
-        for (const char *p = e->name; *p; p++) key = (key ^ (unsigned char)*p) * 0x100000001b3ull;
+        uint64_t key = name_key(e->name);
         int64_t n = 1;
         for (uint32_t d = 0; d < e->ndim; d++) n *= e->shape[d];
         float a = sqrtf(3.0f / (float)e->shape[e->ndim - 1]);
         char *data = (char *)m->map + e->offset;
 #pragma omp parallel for schedule(static)
         for (int64_t i = 0; i < n; i++) {
-            float v = rw_value(seed, key, (uint64_t)i, a);
+            float v = random_weight(seed, key, (uint64_t)i, a);
             if (e->dtype == DT_BF16) {
                 uint32_t u;
                 memcpy(&u, &v, 4);

@@ -110,29 +110,6 @@ template <> __device__ __forceinline__ bf16 from_f<bf16>(float x) { return __flo
 /* ----------------------------------------------------------------------------
  * --random-weights: the same counter hash as laguna.c, so both backends see identical weights */
 
-__host__ __device__ inline uint64_t splitmix64(uint64_t x) {
-    x += 0x9E3779B97F4A7C15ull;
-    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-    return x ^ (x >> 31);
-}
-/* uniform in [-a, a) with a = sqrt(3 / fan_in) (std 1/sqrt(fan_in)), rounded to bf16 */
-__host__ __device__ inline float random_weight(uint64_t seed, uint64_t key, uint64_t i, float a) {
-    uint64_t h = splitmix64(splitmix64(seed ^ key) + i);
-    int s = (int)(h >> 40) - (1 << 23);                      /* 24 random bits, centred */
-    float v = (float)s * (a * (1.0f / 8388608.0f));           /* one rounding */
-    uint32_t u;
-    memcpy(&u, &v, 4);
-    u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;      /* round to nearest even bf16 */
-    memcpy(&v, &u, 4);
-    return v;
-}
-static uint64_t name_key(const char *s) {                    /* FNV-1a of the tensor name */
-    uint64_t h = 0xcbf29ce484222325ull;
-    for (; *s; s++) h = (h ^ (unsigned char)*s) * 0x100000001b3ull;
-    return h;
-}
-
 template <typename T>
 __global__ void fill_random(T *dst, size_t n, uint64_t seed, uint64_t key, uint64_t elem0, float a) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)

@@ -195,4 +195,32 @@ int gpu_decode_step(GpuModel *g, int token, int pos, float temperature, float to
 const char *gpu_summary(GpuModel *g);
 void gpu_free(GpuModel *g);
 
+/* --random-weights: the counter hash both backends use, so the CPU and the GPU fill identical weights
+ * (uniform in [-a, a), a = sqrt(3 / fan_in), rounded to bf16; key = FNV-1a of the tensor name). */
+#ifdef __CUDACC__
+#define LAGUNA_HD __host__ __device__
+#else
+#define LAGUNA_HD
+#endif
+static inline LAGUNA_HD uint64_t splitmix64(uint64_t x) {
+    x += 0x9E3779B97F4A7C15ull;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
+}
+static inline LAGUNA_HD float random_weight(uint64_t seed, uint64_t key, uint64_t i, float a) {
+    uint64_t h = splitmix64(splitmix64(seed ^ key) + i);
+    int s = (int)(h >> 40) - (1 << 23);                      /* 24 random bits, centred */
+    float v = (float)s * (a * (1.0f / 8388608.0f));           /* one rounding */
+    union { float f; uint32_t u; } b;
+    b.f = v;
+    b.u = (b.u + 0x7FFFu + ((b.u >> 16) & 1u)) & 0xFFFF0000u; /* round to nearest even bf16 */
+    return b.f;
+}
+static inline uint64_t name_key(const char *s) {
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (; *s; s++) h = (h ^ (unsigned char)*s) * 0x100000001b3ull;
+    return h;
+}
+
 #endif

@@ -354,3 +354,16 @@ def test_valgrind_clean(exported, tmp_path):
     for cmd in cases:
         r = run(vg + cmd, check=False)
         assert r.returncode == 0, (cmd, r.stderr[-3000:])
+
+
+def test_random_weights_hook_is_deterministic(laguna, exported, tmp_path):
+    """--random-weights SEED (benchmarks, GPU tests): same seed, same logits; another seed, other logits."""
+    def logits(seed):
+        out = tmp_path / f"r{seed}.bin"
+        run([laguna, exported("xs2_f32"), "--score", fixture_file("xs2_f32", "score.txt"), "--logits", str(out),
+             "--random-weights", str(seed), "-q"])
+        return np.fromfile(out, dtype=np.float32)
+    a, b, c = logits(1), logits(1), logits(2)
+    assert (a == b).all() and not np.allclose(a, c)
+    ref = np.load(fixture_file("xs2_f32", "logits.npy")).ravel()
+    assert not np.allclose(a, ref)
