@@ -350,7 +350,9 @@ def test_valgrind_clean(exported, tmp_path):
              [exe, exported("v16"), "-d", exported("draft_v16"), "--ids", "3 4 5 6 7", "-n", "12", "-t", "0.9",
               "-s", "2", "--compare", "-c", "64"],
              [exe, exported("xs2_f32"), "-d", exported("draft_xs2"), "--ids", prompt.replace(" 50", ""), "-n", "8",
-              "-t", "0", "--draft-max", "4", "-c", "128"]]
+              "-t", "0", "--draft-max", "4", "-c", "128"],
+             [exe, exported("variant", "--dtype", "q4"), "--ids", prompt, "-n", "4", "-t", "0", "-c", "64"],
+             [exe, exported("xs2_f32", "--dtype", "q8"), "--ids", prompt, "-n", "4", "-t", "0", "-c", "64"]]
     for cmd in cases:
         r = run(vg + cmd, check=False)
         assert r.returncode == 0, (cmd, r.stderr[-3000:])
