@@ -222,6 +222,8 @@ static int parse_config(Model *m, const char *text, size_t len, char *err, size_
         c->norm_eps <= 0 || c->max_seq_len <= 0)
         FAIL("config in %s has a zero or negative size\n  hint: %s", m->path, HINT_REEXPORT);
     c->kv_dim = c->n_kv_heads * c->head_dim;
+    if (c->bos_id >= c->vocab_size || c->pad_id >= c->vocab_size || c->mask_id >= c->vocab_size)
+        FAIL("a special token id in %s is outside the vocabulary (%d)\n  hint: %s", m->path, c->vocab_size, HINT_REEXPORT);
     for (int l = 0; l < c->n_layers; l++) {
         if (!strcmp(lt[l], "full")) c->layer_type[l] = ATTN_FULL;
         else if (!strcmp(lt[l], "sliding")) c->layer_type[l] = ATTN_SLIDING;
@@ -1379,6 +1381,32 @@ static void usage(FILE *f) {
         "  -h, --help    this help\n");
 }
 
+/* Numbers on the command line: the whole argument must parse, else a clear error. */
+static long arg_int(const char *flag, const char *v) {
+    char *end;
+    errno = 0;
+    long x = strtol(v, &end, 10);
+    if (end == v || *end || errno || x < -2147483647L || x > 2147483647L)
+        die("%s expects an integer, got '%s' (see --help)", flag, v);
+    return x;
+}
+
+static float arg_float(const char *flag, const char *v) {
+    char *end;
+    errno = 0;
+    double x = strtod(v, &end);
+    if (end == v || *end || errno || !isfinite(x)) die("%s expects a number, got '%s' (see --help)", flag, v);
+    return (float)x;
+}
+
+static unsigned long long arg_u64(const char *flag, const char *v) {
+    char *end;
+    errno = 0;
+    unsigned long long x = strtoull(v, &end, 10);
+    if (end == v || *end || errno || v[0] == '-') die("%s expects a non-negative integer, got '%s'", flag, v);
+    return x;
+}
+
 static void parse_args(int argc, char **argv, Options *o) {
     memset(o, 0, sizeof *o);
     o->steps = 256;
@@ -1390,11 +1418,11 @@ static void parse_args(int argc, char **argv, Options *o) {
         int has_next = i + 1 < argc;
 #define NEXT() (has_next ? argv[++i] : (die("%s needs a value (see --help)", a), (char *)NULL))
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(stdout); exit(0); }
-        else if (!strcmp(a, "-n")) o->steps = atoi(NEXT());
-        else if (!strcmp(a, "-t")) o->temperature = (float)atof(NEXT());
-        else if (!strcmp(a, "-p")) o->topp = (float)atof(NEXT());
-        else if (!strcmp(a, "-s")) { o->seed = strtoull(NEXT(), NULL, 10); o->seed_set = 1; }
-        else if (!strcmp(a, "-c")) o->ctx = atoi(NEXT());
+        else if (!strcmp(a, "-n")) o->steps = (int)arg_int(a, NEXT());
+        else if (!strcmp(a, "-t")) o->temperature = arg_float(a, NEXT());
+        else if (!strcmp(a, "-p")) o->topp = arg_float(a, NEXT());
+        else if (!strcmp(a, "-s")) { o->seed = arg_u64(a, NEXT()); o->seed_set = 1; }
+        else if (!strcmp(a, "-c")) { o->ctx = (int)arg_int(a, NEXT()); if (o->ctx <= 0) die("-c must be > 0"); }
         else if (!strcmp(a, "-i")) o->prompt_file = NEXT();
         else if (!strcmp(a, "-y")) o->system = NEXT();
         else if (!strcmp(a, "-m")) o->mode = NEXT();
@@ -1402,18 +1430,18 @@ static void parse_args(int argc, char **argv, Options *o) {
         else if (!strcmp(a, "--raw")) o->raw = 1;
         else if (!strcmp(a, "--ids")) o->ids_mode = 1;
         else if (!strcmp(a, "--cpu")) o->cpu = 1;
-        else if (!strcmp(a, "--chunk")) o->chunk = atoi(NEXT());
+        else if (!strcmp(a, "--chunk")) { o->chunk = (int)arg_int(a, NEXT()); if (o->chunk <= 0) die("--chunk must be > 0"); }
         else if (!strcmp(a, "--tokenize")) o->tokenize_text = NEXT();
         else if (!strcmp(a, "--score")) o->score_file = NEXT();
         else if (!strcmp(a, "--logits")) o->logits_out = NEXT();
         else if (!strcmp(a, "-q")) o->quiet = 1;
         else if (!strcmp(a, "-d")) o->draft_path = NEXT();
-        else if (!strcmp(a, "--draft-max")) o->draft_max = atoi(NEXT());
+        else if (!strcmp(a, "--draft-max")) o->draft_max = (int)arg_int(a, NEXT());
         else if (!strcmp(a, "--compare")) o->compare = 1;
-        else if (!strcmp(a, "--samples")) o->samples = atoi(NEXT());
+        else if (!strcmp(a, "--samples")) o->samples = (int)arg_int(a, NEXT());
         else if (!strcmp(a, "--taps")) o->taps_out = NEXT();
         else if (!strcmp(a, "--draft-logits")) o->draft_logits_out = NEXT();
-        else if (!strcmp(a, "--random-weights")) { o->random_seed = strtoull(NEXT(), NULL, 10); o->random_weights = 1; }
+        else if (!strcmp(a, "--random-weights")) { o->random_seed = arg_u64(a, NEXT()); o->random_weights = 1; }
         else if (a[0] == '-' && a[1]) die("unknown option %s (see --help)", a);
         else if (!o->model_path) o->model_path = a;
         else if (!o->prompt) o->prompt = a;
@@ -1424,8 +1452,6 @@ static void parse_args(int argc, char **argv, Options *o) {
     if (o->steps < 0) die("-n must be >= 0");
     if (o->temperature < 0) die("-t must be >= 0");
     if (o->topp < 0 || o->topp > 1) die("-p must be in [0, 1]");
-    if (o->ctx < 0) die("-c must be > 0");
-    if (o->chunk < 0) die("--chunk must be > 0");
     if (strcmp(o->mode, "generate") && strcmp(o->mode, "chat")) die("-m must be generate or chat");
     if (o->draft_max && (o->draft_max < 1 || o->draft_max > 63)) die("--draft-max must be in 1..15 (the block size - 1)");
     if ((o->compare || o->draft_max) && !o->draft_path) die("--compare and --draft-max go with -d DRAFTER");
@@ -1603,7 +1629,7 @@ int main(int argc, char **argv) {
             int n = 0, *ids = build_prompt(&o, c, tk, prompt_buf ? prompt_buf : o.prompt ? o.prompt : "", &n);
             if (n == 0) die("empty prompt\n  hint: give a prompt, or use --raw with a BOS-only start");
             check_fits(n, ctx);
-            int *out = xcalloc((size_t)o.steps + 1, sizeof(int));
+            int *out = xcalloc((size_t)(o.steps < ctx ? o.steps : ctx) + 1, sizeof(int));
             double prefill_s = 0, decode_s = 0;
             if (o.draft_logits_out) {
                 if (!df) die("--draft-logits needs -d DRAFTER");
@@ -1622,7 +1648,7 @@ int main(int argc, char **argv) {
                 if (!o.quiet) report(n, prefill_s, n_gen, decode_s);
                 if (df && !o.quiet) dflash_report(df, n_gen > 1 ? (n_gen - 1) / decode_s : 0.0);
                 if (df && o.compare) {           /* the same prompt without the drafter */
-                    int *plain = xcalloc((size_t)o.steps + 1, sizeof(int));
+                    int *plain = xcalloc((size_t)(o.steps < ctx ? o.steps : ctx) + 1, sizeof(int));
                     Printer quiet_pr = {0};
                     quiet_pr.silent = 1;
                     float *saved_taps = model.state.taps;
@@ -1669,7 +1695,7 @@ static int chat_loop(Engine *e, Sampler *sp, Printer *pr, const Options *o) {
     if (o->system) msgs[nm++] = (ChatMessage){"system", strdup(o->system), NULL};
     char line[1 << 16];
     int end_id = tokenizer_token_id(tok, "</assistant>");
-    int *reply = xcalloc(o->steps + 1, sizeof(int));
+    int *reply = xcalloc((size_t)(o->steps < ctx ? o->steps : ctx) + 1, sizeof(int));
     for (;;) {
         fprintf(stderr, "\n> ");
         if (!fgets(line, sizeof line, stdin)) break;

@@ -369,3 +369,11 @@ def test_random_weights_hook_is_deterministic(laguna, exported, tmp_path):
     assert (a == b).all() and not np.allclose(a, c)
     ref = np.load(fixture_file("xs2_f32", "logits.npy")).ravel()
     assert not np.allclose(a, ref)
+
+
+def test_bad_numbers_on_the_command_line(laguna, exported):
+    m = exported("xs2_f32")
+    for args, phrase in ((["-n", "abc"], "-n expects an integer"), (["-t", "hot"], "-t expects a number"),
+                         (["-c", "0"], "-c must be > 0"), (["--chunk", "-2"], "--chunk must be > 0"),
+                         (["-s", "-1"], "non-negative"), (["--draft-max", "3"], "go with -d")):
+        expect_error([laguna, m, "--ids", "1 2", *args], phrase)
