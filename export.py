@@ -360,10 +360,9 @@ def read_config(hf_dir, ignore_keys=(), warn=print):
     gating = cfg.get("gating", True)
     if gating is True or gating == "per-head":
         c["gating"] = "per-head"
-    elif gating == "per-element":
-        c["gating"] = "per-element"
+    elif gating is False or gating == "per-element":
+        c["gating"] = "per-element"   # transformers: anything but true / "per-head" gates per element
     else:
-        # transformers treats anything else (False included) as per-element
         raise ExportError(f"gating {gating!r} is not understood", "expected true, 'per-head' or 'per-element'")
     c["attention_bias"] = bool(cfg.get("attention_bias", False))
     c["tie_word_embeddings"] = bool(cfg.get("tie_word_embeddings", False))
@@ -462,6 +461,7 @@ def plan_tensors(ck, c, want_dtype):
         c["intermediate_size"]
     V = c["vocab_size"]
     plan = []
+    ck_ignored = set()
 
     def out_dtype(src_name):
         if is_norm_like(src_name) or want_dtype == "f32":
@@ -550,9 +550,12 @@ def plan_tensors(ck, c, want_dtype):
         for part, shp in (("gate_proj", (S, H)), ("up_proj", (S, H)), ("down_proj", (H, S))):
             direct(sh + part + ".weight", shp, out_name=p + "mlp.shared_expert." + part + ".weight")
     direct("model.norm.weight", (H,))
-    if ck.has("lm_head.weight"):
+    if c["tie_word_embeddings"]:
+        if ck.has("lm_head.weight"):        # transformers ties it to the embedding whatever the file holds
+            ck_ignored.add("lm_head.weight")
+    elif ck.has("lm_head.weight"):
         direct("lm_head.weight", (V, H))
-    elif not c["tie_word_embeddings"]:
+    else:
         raise ExportError("tensor lm_head.weight is missing from the checkpoint (and tie_word_embeddings is false)")
     for t, (inv, _, rd) in sorted(c["rope"].items()):
         plan.append((f"rope.{t}.inv_freq", DT_F32, (rd // 2,), lambda inv=inv: iter([inv])))
@@ -569,7 +572,7 @@ def plan_tensors(ck, c, want_dtype):
         if base in planned_sources or base.replace("mlp.shared_experts.", "mlp.shared_expert.") in planned_sources \
                 or base.replace("mlp.gate.e_score", "mlp.experts.e_score") in planned_sources:
             consumed.add(n)
-    extra = sorted(set(ck.where) - consumed)
+    extra = sorted(set(ck.where) - consumed - ck_ignored)
     if extra:
         more = f" (and {len(extra) - 3} more)" if len(extra) > 3 else ""
         raise ExportError(f"unexpected tensor {', '.join(extra[:3])}{more} in the checkpoint",
@@ -607,7 +610,7 @@ def config_text(c, ids, kind=KIND_MODEL):
         ("max_position_embeddings", c["max_position_embeddings"]),
         ("gating", c["gating"]),
         ("attention_bias", int(c["attention_bias"])),
-        ("tie_word_embeddings", int(c["tie_word_embeddings"] and "lm_head_missing" in c)),
+        ("tie_word_embeddings", int(c["tie_word_embeddings"])),
         ("bos_token_id", ids["bos_token_id"]),
         ("eos_token_ids", " ".join(str(x) for x in ids["eos_token_ids"])),
         ("pad_token_id", ids["pad_token_id"]),
@@ -825,8 +828,9 @@ def read_drafter_config(hf_dir, cfg, ignore_keys=(), warn=print):
     if len(lt) != L or len(set(lt)) != 1 or lt[0] not in ("full_attention", "sliding_attention"):
         raise ExportError(f"drafter layer_types {lt} must be {L} copies of full_attention or sliding_attention")
     gating = cfg.get("gating", True)
-    if gating not in (True, "per-head", "per-element"):
-        raise ExportError(f"drafter gating {gating!r} is not supported (per-head or per-element)")
+    if gating not in (True, False, "per-head", "per-element", "disabled"):
+        raise ExportError(f"drafter gating {gating!r} is not supported (per-head, per-element or disabled)")
+    gating = {True: "per-head", False: "none", "disabled": "none"}.get(gating, gating)   # vLLM's reading
     V = cfg.get("draft_vocab_size") or cfg.get("vocab_size")
     if cfg.get("draft_vocab_size") and cfg.get("vocab_size") and cfg["draft_vocab_size"] != cfg["vocab_size"]:
         raise ExportError("draft_vocab_size differs from vocab_size: laguna shares the target's lm_head")
@@ -842,7 +846,7 @@ def read_drafter_config(hf_dir, cfg, ignore_keys=(), warn=print):
          "routed_scaling_factor": 1.0, "router_logit_softcapping": 0.0,
          "rms_norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
          "max_position_embeddings": cfg.get("max_position_embeddings", 262144),
-         "gating": "per-element" if gating == "per-element" else "per-head", "attention_bias": False,
+         "gating": gating, "attention_bias": False,
          "tie_word_embeddings": False}
     # RoPE as vLLM's laguna_dflash resolves it: nested by layer type (falling back to full_attention) or flat;
     # swa_rope_parameters override sliding layers; top-level rope_theta / partial_rotary_factor fill gaps.
@@ -922,7 +926,9 @@ def plan_drafter(ck, c, want_dtype):
             add(o + "self_attn.v_proj.weight", p + "self_attn.v_proj.weight", (kvd, H))
         add(o + "self_attn.q_norm.weight", p + "self_attn.q_norm.weight", (D,))
         add(o + "self_attn.k_norm.weight", p + "self_attn.k_norm.weight", (D,))
-        add(o + "self_attn.g_proj.weight", p + "self_attn.g_proj.weight", (nh if c["gating"] == "per-head" else qd, H))
+        if c["gating"] != "none":
+            add(o + "self_attn.g_proj.weight", p + "self_attn.g_proj.weight",
+                (nh if c["gating"] == "per-head" else qd, H))
         add(o + "self_attn.o_proj.weight", p + "self_attn.o_proj.weight", (H, qd))
         add(o + "post_attention_layernorm.weight", p + "post_attention_layernorm.weight", (H,))
         add(o + "mlp.gate_proj.weight", p + "mlp.gate_proj.weight", (F, H))
@@ -1099,8 +1105,6 @@ def export_model(hf_dir, out_path, dtype="auto", ignore_keys=(), quiet=False):
     c = read_config(hf_dir, ignore_keys, warn=say)
     ids = read_special_ids(hf_dir, c)
     ck = Checkpoint(hf_dir)
-    if c["tie_word_embeddings"] and not ck.has("lm_head.weight"):
-        c["lm_head_missing"] = True
     plan = plan_tensors(ck, c, dtype if dtype in ("auto", "bf16", "f32") else "auto")
     tok = tokenizer_blob(hf_dir, say=say)
     if tok is None:

@@ -150,6 +150,7 @@ static int parse_config(Model *m, const char *text, size_t len, char *err, size_
     memset(c, 0, sizeof *c);
     c->bos_id = c->pad_id = c->mask_id = -1;
     c->gate_per_head = 1;
+    c->gated = 1;
     c->causal = 1;
     char *buf = xcalloc(len + 1, 1);
     memcpy(buf, text, len);
@@ -189,7 +190,7 @@ static int parse_config(Model *m, const char *text, size_t len, char *err, size_
         else if (KEY("router_logit_softcapping")) c->router_softcap = (float)strtod(v, NULL);
         else if (KEY("rms_norm_eps")) c->norm_eps = (float)strtod(v, NULL);
         else if (KEY("max_position_embeddings")) c->max_seq_len = atoi(v);
-        else if (KEY("gating")) c->gate_per_head = strcmp(v, "per-element") != 0;
+        else if (KEY("gating")) { c->gate_per_head = !strcmp(v, "per-head"); c->gated = strcmp(v, "none") != 0; }
         else if (KEY("attention_bias")) c->attention_bias = atoi(v);
         else if (KEY("tie_word_embeddings")) c->tied_embeddings = atoi(v);
         else if (KEY("bos_token_id")) c->bos_id = atoi(v);
@@ -290,7 +291,7 @@ static int bind_weights(Model *m, char *err, size_t errsz) {
         }
         N("model.layers.%d.self_attn.q_norm.weight", l); B(&lw->q_norm, 1, 1, D, 0, 0);
         N("model.layers.%d.self_attn.k_norm.weight", l); B(&lw->k_norm, 1, 1, D, 0, 0);
-        N("model.layers.%d.self_attn.g_proj.weight", l); B(&lw->wg, 0, 2, c->gate_per_head ? nh : nh * D, H, 0);
+        if (c->gated) { N("model.layers.%d.self_attn.g_proj.weight", l); B(&lw->wg, 0, 2, c->gate_per_head ? nh : nh * D, H, 0); }
         N("model.layers.%d.self_attn.o_proj.weight", l); B(&lw->wo, 0, 2, H, nh * D, 0);
         N("model.layers.%d.post_attention_layernorm.weight", l); B(&lw->ffn_norm, 1, 1, H, 0, 0);
         if (c->mlp_type[l] == MLP_DENSE) {
@@ -773,8 +774,8 @@ float *forward(Model *m, const int *tokens, int n, int pos, int all_logits) {
         attention(m, l, n, pos);
         /* softplus output gate from the normed layer input, per head (or per element) */
         int GD = c->gate_per_head ? nh : QD;
-        matmul(s->gate, s->xb, &lw->wg, 0, n, H, GD);
-        for (int t = 0; t < n; t++)
+        if (c->gated) matmul(s->gate, s->xb, &lw->wg, 0, n, H, GD);
+        for (int t = 0; c->gated && t < n; t++)
             for (int i = 0; i < QD; i++) {
                 float g = softplus(s->gate[(size_t)t * GD + (c->gate_per_head ? i / D : i)]);
                 s->att[(size_t)t * QD + i] *= g;

@@ -79,6 +79,7 @@ typedef struct {
     float norm_eps;          /* RMSNorm epsilon */
     int max_seq_len;         /* max_position_embeddings */
     int gate_per_head;       /* 1: g_proj [nh, H]; 0: per element [nh*D, H] */
+    int gated;               /* 0: no output gate (a drafter with gating disabled) */
     int attention_bias;      /* q/k/v/o biases present */
     int tied_embeddings;     /* lm_head is the embedding */
     int bos_id, pad_id, mask_id;

@@ -76,6 +76,8 @@ FIXTURES = {
     # a 16-token vocabulary: exact token distributions for the DFlash sampling test
     "v16": dict(cfg=base_config(vocab_size=16, eos_token_id=[15], bos_token_id=1, pad_token_id=0),
                 dtype="f32", prompt_len=12, gen=8),
+    # tied embeddings (no lm_head on disk) and gating=false, which transformers reads as per-element
+    "tied": dict(cfg=base_config(tie_word_embeddings=True, gating=False), dtype="f32", prompt_len=20, gen=12),
     # a long run: thousands of positions, many trips around the sliding ring
     "long": dict(cfg=base_config(vocab_size=256, sliding_window=16,
                                  rope_parameters={"full_attention": dict(XS21_FULL),
@@ -116,7 +118,10 @@ def main():
     print("transformers", transformers.__version__, "torch", torch.__version__)
     torch.manual_seed(0)
     os.makedirs(OUT, exist_ok=True)
+    only = sys.argv[2:] if sys.argv[1:2] == ["--only"] else None
     for name, fx in FIXTURES.items():
+        if only and name not in only:
+            continue
         d = os.path.join(OUT, name)
         if os.path.exists(d):
             shutil.rmtree(d)
@@ -181,6 +186,8 @@ def main():
             if os.path.exists(os.path.join(hf, "model.safetensors.index.json")) else None
         print(f"{name}: {len(score_ids)} tokens, greedy {len(cont)}, logits |max| {np.abs(logits).max():.3f}"
               + (f", {len(names)} tensors" if names else ""))
+    if only:
+        return
     rope_cases()
     dflash_fixtures()
 

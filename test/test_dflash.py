@@ -261,3 +261,25 @@ def test_all_bf16_drafter_checkpoint(laguna, models, tmp_path):
     want, _ = generate(laguna, models["xs2"], prompt, "-n", "30", "-q")
     got, _ = generate(laguna, models["xs2"], prompt, "-n", "30", "-q", "-d", out)
     assert got == want
+
+
+def test_drafter_with_gating_disabled(laguna, models, tmp_path):
+    """vLLM's Laguna drafter allows gating false / "disabled" (no g_proj): export and run it, losslessly."""
+    import json
+    import shutil
+    import sys
+    from safetensors.numpy import load_file, save_file
+    from test_model import ROOT
+    d = tmp_path / "nogate"
+    shutil.copytree(fx("draft_xs2", "hf"), d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["gating"] = False
+    (d / "config.json").write_text(json.dumps(cfg))
+    t = load_file(str(d / "model.safetensors"))
+    save_file({k: v for k, v in t.items() if "g_proj" not in k}, str(d / "model.safetensors"))
+    out = str(tmp_path / "d.bin")
+    run([sys.executable, os.path.join(ROOT, "export.py"), "-q", str(d), out])
+    prompt = " ".join(ids_of(fx("xs2_f32", "score.txt"))[:10])
+    want, _ = generate(laguna, models["xs2"], prompt, "-n", "20", "-q")
+    got, _ = generate(laguna, models["xs2"], prompt, "-n", "20", "-q", "-d", out)
+    assert got == want

@@ -13,7 +13,7 @@ from conftest import FIXTURES, ROOT, run
 
 import export  # noqa: E402
 
-NAMES = ["xs2_f32", "xs21_bf16", "variant", "long"]
+NAMES = ["xs2_f32", "xs21_bf16", "variant", "long", "tied"]
 TOL = 1e-4   # max |logit - reference|
 
 
@@ -61,7 +61,7 @@ def test_token_by_token_and_offset_chunks_match(laguna, exported, name, tmp_path
         assert d_self <= TOL and d_ref <= TOL
 
 
-@pytest.mark.parametrize("name", ["xs2_f32", "xs21_bf16", "variant"])
+@pytest.mark.parametrize("name", ["xs2_f32", "xs21_bf16", "variant", "tied"])
 def test_greedy_continuation_identical(laguna, exported, name):
     prompt = open(fixture_file(name, "prompt.txt")).read().strip()
     want = read_ids(fixture_file(name, "greedy.txt"))
