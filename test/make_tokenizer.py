@@ -146,31 +146,35 @@ def training_corpus():
     return texts
 
 
-def build(outdir):
-    names = added_token_names()
-    byte_map = bytes_to_unicode()
-    pretok = pre_tokenizers.Sequence([
+def laguna_pretokenizer():
+    """Laguna's three stages: newline runs (merged with next), the Qwen2 regex (isolated), ByteLevel."""
+    return pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(NEWLINE_RE), behavior="merged_with_next"),
         pre_tokenizers.Split(Regex(QWEN2_RE), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
 
+
+def train_laguna_bpe(texts, vocab_size, min_frequency=2):
+    """A BPE tokenizer with Laguna's pipeline and layout, trained on texts: (tokenizers.Tokenizer, added names).
+    (dev/tiny/train_tokenizer.py uses it too.)"""
+    names = added_token_names()
     # 1) learn merges with the trainer
     t0 = Tokenizer(models.BPE())
-    t0.pre_tokenizer = pretok
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=names, min_frequency=2,
+    t0.pre_tokenizer = laguna_pretokenizer()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=names, min_frequency=min_frequency,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    t0.train_from_iterator(training_corpus(), trainer=trainer)
+    t0.train_from_iterator(texts, trainer=trainer)
     merges = json.loads(t0.to_str())["model"]["merges"]
     merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in merges]
 
     # 2) lay the vocab out like the real file: added 0..69, bytes 70..325 (GPT-2 order), merge results 326..
     vocab = {n: i for i, n in enumerate(names)}
-    for b, ch in byte_map:
+    for b, ch in bytes_to_unicode():
         vocab[ch] = len(vocab)
     kept = []
     for a, b in merges:
-        if len(vocab) >= VOCAB_SIZE:
+        if len(vocab) >= vocab_size:
             break
         if a + b in vocab:
             continue
@@ -181,10 +185,16 @@ def build(outdir):
     tok.add_tokens([AddedToken(n, special=(i not in NOT_SPECIAL), normalized=False, lstrip=False, rstrip=False,
                                single_word=False) for i, n in enumerate(names)])
     tok.normalizer = None
-    tok.pre_tokenizer = pretok
+    tok.pre_tokenizer = laguna_pretokenizer()
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.TemplateProcessing(single="〈|EOS|〉 $A", pair="〈|EOS|〉 $A $B:1",
                                                        special_tokens=[("〈|EOS|〉", 2)])
+    return tok, names
+
+
+def build(outdir):
+    byte_map = bytes_to_unicode()
+    tok, names = train_laguna_bpe(training_corpus(), VOCAB_SIZE)
     os.makedirs(outdir, exist_ok=True)
     tok.save(os.path.join(outdir, "tokenizer.json"), pretty=False)
 
@@ -212,7 +222,7 @@ def build(outdir):
     # (the other way checkpoints ship it), so export has to find it there
     with open(os.path.join(outdir, "v2", "tokenizer_config.json"), "w", encoding="utf-8") as f:
         json.dump(dict(config, chat_template=TEMPLATE_V2), f, ensure_ascii=False, indent=2)
-    print(f"wrote {outdir}: {len(j['model']['vocab'])} ids, {len(kept)} merges")
+    print(f"wrote {outdir}: {len(j['model']['vocab'])} ids, {len(j['model']['merges'])} merges")
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -32,51 +32,15 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(ROOT, "test"))
 import config  # noqa: E402
-from make_tokenizer import NEWLINE_RE, NOT_SPECIAL, QWEN2_RE, added_token_names, bytes_to_unicode  # noqa: E402
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
+from make_tokenizer import NOT_SPECIAL, train_laguna_bpe  # noqa: E402
 
 TEMPLATE = os.path.join(ROOT, "test", "data", "tokenizer", "chat_template.jinja")
 BOS = 2
 
 
-def pretokenizer():
-    return pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(NEWLINE_RE), behavior="merged_with_next"),
-        pre_tokenizers.Split(Regex(QWEN2_RE), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-
-
 def train_tokenizer(texts, vocab_size, min_frequency):
-    names = added_token_names()
-    t0 = Tokenizer(models.BPE())
-    t0.pre_tokenizer = pretokenizer()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=names, min_frequency=min_frequency,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    t0.train_from_iterator(texts, trainer=trainer)
-    merges = json.loads(t0.to_str())["model"]["merges"]
-    merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in merges]
-    # Laguna's layout: added 0..69, bytes 70..325 in GPT-2 order, then merge results in rank order
-    vocab = {n: i for i, n in enumerate(names)}
-    for _, ch in bytes_to_unicode():
-        vocab[ch] = len(vocab)
-    kept = []
-    for x, y in merges:
-        if len(vocab) >= vocab_size:
-            break
-        if x + y in vocab:
-            continue
-        vocab[x + y] = len(vocab)
-        kept.append((x, y))
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=kept, byte_fallback=False, ignore_merges=False))
-    tok.add_tokens([AddedToken(n, special=(i not in NOT_SPECIAL), normalized=False, lstrip=False, rstrip=False,
-                               single_word=False) for i, n in enumerate(names)])
-    tok.normalizer = None
-    tok.pre_tokenizer = pretokenizer()
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.TemplateProcessing(single="〈|EOS|〉 $A", pair="〈|EOS|〉 $A $B:1",
-                                                       special_tokens=[("〈|EOS|〉", BOS)])
-    return tok, names
+    """Laguna's pipeline and id layout (test/make_tokenizer.py), trained on the corpus sample."""
+    return train_laguna_bpe(texts, vocab_size, min_frequency)
 
 
 def tokenizer_config(names):
