@@ -246,40 +246,44 @@ def write_bf16_safetensors(tensors, path):
         f.write(struct.pack("<Q", len(h)) + h + b"".join(blobs))
 
 
-def test_all_bf16_drafter_checkpoint(laguna, models, tmp_path):
-    """The released drafter is bf16 throughout (norms too): export keeps norms f32 and it runs losslessly."""
+def exported_drafter_variant(tmp_path, edit_config=None, edit_tensors=None):
+    """draft_xs2 with its config and/or tensors changed, exported; returns the .bin path."""
+    import json
     import shutil
     import sys
     from safetensors.numpy import load_file
     from test_model import ROOT
-    d = tmp_path / "bf16"
+    d = tmp_path / "variant"
     shutil.copytree(fx("draft_xs2", "hf"), d)
-    write_bf16_safetensors(load_file(str(d / "model.safetensors")), str(d / "model.safetensors"))
+    if edit_config:
+        cfg = json.loads((d / "config.json").read_text())
+        edit_config(cfg)
+        (d / "config.json").write_text(json.dumps(cfg))
+    if edit_tensors:
+        path = str(d / "model.safetensors")
+        edit_tensors(load_file(path), path)        # writes the changed tensors back to path
     out = str(tmp_path / "d.bin")
     run([sys.executable, os.path.join(ROOT, "export.py"), "-q", str(d), out])
-    prompt = " ".join(ids_of(fx("xs2_f32", "score.txt"))[:20])
-    want, _ = generate(laguna, models["xs2"], prompt, "-n", "30", "-q")
-    got, _ = generate(laguna, models["xs2"], prompt, "-n", "30", "-q", "-d", out)
+    return out
+
+
+def assert_lossless(laguna, models, drafter, n_prompt=20, n=30):
+    prompt = " ".join(ids_of(fx("xs2_f32", "score.txt"))[:n_prompt])
+    want, _ = generate(laguna, models["xs2"], prompt, "-n", str(n), "-q")
+    got, _ = generate(laguna, models["xs2"], prompt, "-n", str(n), "-q", "-d", drafter)
     assert got == want
+
+
+def test_all_bf16_drafter_checkpoint(laguna, models, tmp_path):
+    """The released drafter is bf16 throughout (norms too): export keeps norms f32 and it runs losslessly."""
+    out = exported_drafter_variant(tmp_path, edit_tensors=lambda t, path: write_bf16_safetensors(t, path))
+    assert_lossless(laguna, models, out)
 
 
 def test_drafter_with_gating_disabled(laguna, models, tmp_path):
     """vLLM's Laguna drafter allows gating false / "disabled" (no g_proj): export and run it, losslessly."""
-    import json
-    import shutil
-    import sys
-    from safetensors.numpy import load_file, save_file
-    from test_model import ROOT
-    d = tmp_path / "nogate"
-    shutil.copytree(fx("draft_xs2", "hf"), d)
-    cfg = json.loads((d / "config.json").read_text())
-    cfg["gating"] = False
-    (d / "config.json").write_text(json.dumps(cfg))
-    t = load_file(str(d / "model.safetensors"))
-    save_file({k: v for k, v in t.items() if "g_proj" not in k}, str(d / "model.safetensors"))
-    out = str(tmp_path / "d.bin")
-    run([sys.executable, os.path.join(ROOT, "export.py"), "-q", str(d), out])
-    prompt = " ".join(ids_of(fx("xs2_f32", "score.txt"))[:10])
-    want, _ = generate(laguna, models["xs2"], prompt, "-n", "20", "-q")
-    got, _ = generate(laguna, models["xs2"], prompt, "-n", "20", "-q", "-d", out)
-    assert got == want
+    from safetensors.numpy import save_file
+    out = exported_drafter_variant(
+        tmp_path, edit_config=lambda c: c.update(gating=False),
+        edit_tensors=lambda t, path: save_file({k: v for k, v in t.items() if "g_proj" not in k}, path))
+    assert_lossless(laguna, models, out, n_prompt=10, n=20)
