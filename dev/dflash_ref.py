@@ -123,7 +123,7 @@ class LagunaDFlash(nn.Module):
             kc, vc = self._kv(layer, rms(ctx, layer.input_layernorm, self.eps), ctx_pos)
             x = rms(h, layer.input_layernorm, self.eps)
             qkv = layer.qkv_proj(x)
-            q_sz, kv_sz = self.nh * self.D, self.nkv * self.D
+            q_sz = self.nh * self.D
             q = apply_rope(rms(qkv[:, :q_sz].view(B, self.nh, self.D), layer.q_norm, self.eps), qpos, self.inv_freq)
             kb, vb = self._kv(layer, x, qpos)
             K, V = torch.cat([kc, kb]), torch.cat([vc, vb])

@@ -1,12 +1,11 @@
 """Quantized files (export.py --dtype q8 / q4): quantize -> dequantize error bounds, the C q8/q4 kernels against
 the same weights dequantized to f32 in numpy, and the loader's refusal of inconsistent quantized tensors."""
 import struct
-import sys
 
 import numpy as np
 import pytest
 
-from conftest import FIXTURES, ROOT, run
+from conftest import FIXTURES, run
 
 import export
 
@@ -111,7 +110,7 @@ def test_loader_refuses_inconsistent_quantized_tensor(laguna, exported, tmp_path
             struct.pack_into("<I", data, doff + i * 128 + 80, 1)   # claims bf16: the sizes no longer add up
     p = tmp_path / "bad.bin"
     p.write_bytes(bytes(data))
-    r = expect_error([laguna, str(p), "--ids", "1 2"], "o_proj")
+    expect_error([laguna, str(p), "--ids", "1 2"], "o_proj")
     # a quantized tensor whose columns are not what the config says
     data = bytearray(b)
     for i, (name, dt, shape, off) in enumerate(ents):

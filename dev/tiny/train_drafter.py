@@ -19,7 +19,6 @@ WORK/logs/drafter_loss.csv, WORK/logs/drafter_summary.json.
 """
 import argparse
 import json
-import math
 import os
 import shutil
 import sys

@@ -13,7 +13,6 @@ generation_config.json) and WORK/logs/target_loss.csv, WORK/logs/target_summary.
 """
 import argparse
 import json
-import math
 import os
 import shutil
 import sys
