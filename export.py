@@ -876,7 +876,7 @@ def read_drafter_config(hf_dir, cfg, ignore_keys=(), warn=print):
     return c
 
 
-def plan_drafter(ck, c, want_dtype):
+def plan_drafter(ck, c, want_dtype, say=print):
     H, D, KV, L = c["hidden_size"], c["head_dim"], c["n_kv_heads"], c["n_layers"]
     nh, F = c["n_heads"][0], c["intermediate_size"]
     ntaps = len(c["dflash"]["target_layer_ids"])
@@ -941,7 +941,10 @@ def plan_drafter(ck, c, want_dtype):
         add(f"dflash.aux_hidden_norms.{i}.weight", f"aux_hidden_norms.{i}.weight", (H,))
     for t, (inv, _, rd) in sorted(c["rope"].items()):
         plan.append((f"rope.{t}.inv_freq", DT_F32, (rd // 2,), lambda inv=inv: iter([inv])))
-    extra = sorted(set(ck.where) - used)
+    shared = {n for n in ck.where if n.split("model.")[-1] in ("embed_tokens.weight", "lm_head.weight")}
+    if shared:                  # like vLLM: a DFlash drafter always uses the target's embedding and lm_head
+        say(f"note: the drafter checkpoint holds {', '.join(sorted(shared))}; the target's are used instead")
+    extra = sorted(set(ck.where) - used - shared)
     if extra:
         raise ExportError(f"unexpected tensor {', '.join(extra[:3])} in the drafter checkpoint",
                           "embed_tokens / lm_head come from the target; anything else means a mismatch")
@@ -952,7 +955,7 @@ def export_drafter(hf_dir, cfg, out_path, dtype, ignore_keys, quiet):
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, file=sys.stderr))
     c = read_drafter_config(hf_dir, cfg, ignore_keys, warn=say)
     ck = Checkpoint(hf_dir)
-    plan, stats = quantize_plan(plan_drafter(ck, c, dtype if dtype in ("auto", "bf16", "f32") else "auto"),
+    plan, stats = quantize_plan(plan_drafter(ck, c, dtype if dtype in ("auto", "bf16", "f32") else "auto", say),
                                 dtype, say)
     d = c["dflash"]
     ids = {"bos_token_id": -1, "pad_token_id": -1, "mask_token_id": d["mask_token_id"], "eos_token_ids": []}

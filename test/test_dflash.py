@@ -287,3 +287,15 @@ def test_drafter_with_gating_disabled(laguna, models, tmp_path):
         tmp_path, edit_config=lambda c: c.update(gating=False),
         edit_tensors=lambda t, path: save_file({k: v for k, v in t.items() if "g_proj" not in k}, path))
     assert_lossless(laguna, models, out, n_prompt=10, n=20)
+
+
+def test_drafter_checkpoint_with_its_own_embedding(laguna, models, tmp_path):
+    """Some drafter copies carry embed_tokens / lm_head: like vLLM, laguna uses the target's instead."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    def add(t, path):
+        t["model.embed_tokens.weight"] = np.zeros((512, 64), np.float32)
+        t["lm_head.weight"] = np.zeros((512, 64), np.float32)
+        save_file(t, path)
+    assert_lossless(laguna, models, exported_drafter_variant(tmp_path, edit_tensors=add))
