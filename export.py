@@ -572,6 +572,8 @@ def plan_tensors(ck, c, want_dtype):
         if base in planned_sources or base.replace("mlp.shared_experts.", "mlp.shared_expert.") in planned_sources \
                 or base.replace("mlp.gate.e_score", "mlp.experts.e_score") in planned_sources:
             consumed.add(n)
+    # persisted rotary buffers (older saves) are recomputed here from the config, as transformers does
+    ck_ignored |= {n for n in ck.where if n.endswith("rotary_emb.inv_freq") or n.endswith("_inv_freq")}
     extra = sorted(set(ck.where) - consumed - ck_ignored)
     if extra:
         more = f" (and {len(extra) - 3} more)" if len(extra) > 3 else ""

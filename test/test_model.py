@@ -281,6 +281,12 @@ def test_export_extra_tensor(tmp_path):
     expect_error(export_cmd(d, tmp_path), "unexpected tensor model.layers.0.self_attn.sinks")
 
 
+def test_export_ignores_persisted_rotary_buffers(tmp_path):
+    d = copy_fixture(tmp_path)
+    rewrite_tensors(d, lambda t: t.__setitem__("model.rotary_emb.full_attention_inv_freq", np.ones(4, np.float32)))
+    run(export_cmd(d, tmp_path) + ["-q"])
+
+
 def test_export_wrong_shape(tmp_path):
     d = copy_fixture(tmp_path)
     rewrite_tensors(d, lambda t: t.__setitem__("model.layers.1.self_attn.g_proj.weight",
