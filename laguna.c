@@ -1590,25 +1590,26 @@ int main(int argc, char **argv) {
     }
 
     char info[256] = "";
+    /* the backend first: it sets the default chunk. DFlash and quantized files run on the CPU for now. */
+    int quantized = 0;
+    for (uint64_t i = 0; i < model.n_tensors; i++) quantized |= model.dir[i].dtype == DT_Q8 || model.dir[i].dtype == DT_Q4;
     int use_gpu = !o.cpu && gpu_available(info, sizeof info);
-    int max_tokens = o.chunk ? o.chunk : use_gpu && !o.draft_path ? 2048 : 64;   /* GPU: big prefill chunks */
+    if (use_gpu && (o.draft_path || quantized)) {
+        if (!o.quiet) fprintf(stderr, "note: %s runs on the CPU backend in this version\n",
+                              o.draft_path ? "DFlash" : "a quantized model");
+        use_gpu = 0;
+    }
+    int max_tokens = o.chunk ? o.chunk : use_gpu ? 2048 : 64;   /* GPU: big prefill chunks */
     if (o.draft_path && max_tokens < 64) max_tokens = 64;   /* a verify block must fit in one forward */
     int ctx = choose_ctx(c, &o, max_tokens);
     if (max_tokens > ctx) max_tokens = ctx;
     Engine eng = {&model, NULL};
     model.random_weights = o.random_weights;
     model.random_seed = o.random_seed;
-    int quantized = 0;
-    for (uint64_t i = 0; i < model.n_tensors; i++) quantized |= model.dir[i].dtype == DT_Q8 || model.dir[i].dtype == DT_Q4;
     if (use_gpu) {
-        if (o.draft_path || quantized) {
-            if (!o.quiet) fprintf(stderr, "note: %s runs on the CPU backend in this version\n",
-                                  o.draft_path ? "DFlash" : "a quantized model");
-        } else {
-            eng.gpu = gpu_init(&model, ctx, max_tokens, err, sizeof err);   /* fills random weights itself */
-            if (!eng.gpu) die("%s", err);
-            if (!o.quiet) fprintf(stderr, "gpu: %s | %s\n", info, gpu_summary(eng.gpu));
-        }
+        eng.gpu = gpu_init(&model, ctx, max_tokens, err, sizeof err);   /* fills random weights itself */
+        if (!eng.gpu) die("%s", err);
+        if (!o.quiet) fprintf(stderr, "gpu: %s | %s\n", info, gpu_summary(eng.gpu));
     }
     if (o.random_weights && !eng.gpu) randomize_weights(&model, o.random_seed);
     alloc_state(&model, ctx, max_tokens);   /* the CPU state also sizes the chunking for the GPU */

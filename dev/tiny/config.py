@@ -123,3 +123,15 @@ def get(smoke=False):
         _merge(c, json.loads(os.environ["TINY_OVERRIDES"]))
     c["smoke"] = bool(smoke)
     return c
+
+
+def stage_args(training=False):
+    """The command line every stage takes: WORK [--smoke], plus --deadline and --amp for the training stages."""
+    import argparse
+    ap = argparse.ArgumentParser()
+    ap.add_argument("work")
+    ap.add_argument("--smoke", action="store_true")
+    if training:
+        ap.add_argument("--deadline", type=float, default=0.0, help="unix time by which this script must have exited")
+        ap.add_argument("--amp", default="auto", choices=["auto", "bf16", "off"])
+    return ap.parse_args()

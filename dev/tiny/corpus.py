@@ -13,7 +13,6 @@ Writes WORK/corpus/docs.jsonl (one {"key", "pkg", "split", "text"} per file) and
 (interpreter, roots, per-package version / licence / counts, every file used with its split and hash, and what
 was skipped and why).
 """
-import argparse
 import hashlib
 import json
 import os
@@ -111,10 +110,7 @@ def candidates(C):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("work")
-    ap.add_argument("--smoke", action="store_true")
-    a = ap.parse_args()
+    a = config.stage_args(training=False)
     C = config.get(a.smoke)
     cc = C["corpus"]
     t0 = time.time()

@@ -17,7 +17,6 @@ Measures on held-out windows the per-slot agreement with the target and the impl
 tau = 1 + E[length of the matching prefix]. Saves WORK/drafter (config.json + model.safetensors, bf16) and
 WORK/logs/drafter_loss.csv, WORK/logs/drafter_summary.json.
 """
-import argparse
 import json
 import os
 import shutil
@@ -97,12 +96,7 @@ def make_blocks(x, pred, K, B, mask_id, labels, gen):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("work")
-    ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--deadline", type=float, default=0.0, help="unix time by which this script must have exited")
-    ap.add_argument("--amp", default="auto", choices=["auto", "bf16", "off"])
-    a = ap.parse_args()
+    a = config.stage_args(training=True)
     t_start = time.time()
     C = config.get(a.smoke)
     dc = C["drafter"]

@@ -11,7 +11,6 @@ over-loaded ones after every step). The held-out loss is measured every few seco
 kept. Saves WORK/target (save_pretrained in bf16 + tokenizer.json + tokenizer_config.json + chat_template.jinja +
 generation_config.json) and WORK/logs/target_loss.csv, WORK/logs/target_summary.json.
 """
-import argparse
 import json
 import os
 import shutil
@@ -61,12 +60,7 @@ def evaluate(model, val, starts, T, B, amp):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("work")
-    ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--deadline", type=float, default=0.0, help="unix time by which this script must have exited")
-    ap.add_argument("--amp", default="auto", choices=["auto", "bf16", "off"])
-    a = ap.parse_args()
+    a = config.stage_args(training=True)
     t_start = time.time()
     C = config.get(a.smoke)
     tc = C["target"]

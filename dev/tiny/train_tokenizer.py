@@ -16,7 +16,6 @@ Writes WORK/tok/{tokenizer.json, tokenizer_config.json, chat_template.jinja}, WO
 (uint16 token streams, every document starts with 〈|EOS|〉 = 2), WORK/tok/stats.json and WORK/heldout.json
 (held-out files with permissive licences, their token ids and code prompts cut from them, for CI).
 """
-import argparse
 import hashlib
 import json
 import os
@@ -153,10 +152,7 @@ def heldout_set(tok, val, packages, tc, rng):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("work")
-    ap.add_argument("--smoke", action="store_true")
-    a = ap.parse_args()
+    a = config.stage_args(training=False)
     C = config.get(a.smoke)
     tc = C["tokenizer"]
     t0 = time.time()
