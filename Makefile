@@ -37,7 +37,7 @@ cuda-compile: laguna.cu $(SRC) $(HDR)
 
 # GPU tests and benchmark (on a machine with an NVIDIA GPU; test-gpu skips cleanly without one)
 test-gpu:
-	python3 -m pytest -q -s -rs test/test_gpu.py
+	python3 -m pytest -q -s -rs test/test_gpu.py test/test_gpu_fidelity.py
 
 dev/bench_gpu: dev/bench_gpu.c laguna.cu $(SRC) $(HDR)
 	$(CC) $(CFLAGS) -Wno-unused-function -DLAGUNA_CUDA -c dev/bench_gpu.c -o bench_gpu.o

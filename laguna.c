@@ -918,7 +918,7 @@ typedef struct {
     const char *draft_path;
     const char *taps_out;
     const char *draft_logits_out;
-    int steps, ctx, seed_set, raw, cpu, ids_mode, think, chunk, quiet;
+    int steps, ctx, seed_set, raw, cpu, ids_mode, think, chunk, quiet, kv_f32;
     int draft_max, compare, samples;
     int random_weights;               /* --random-weights SEED */
     unsigned long long random_seed;
@@ -1378,6 +1378,8 @@ static void usage(FILE *f) {
         "  --ids         the prompt is whitespace-separated token ids; print generated ids\n"
         "  --cpu         use the CPU even when a GPU is available\n"
         "  --chunk N     most tokens per forward pass (prefill chunk; default 64 on the CPU, 2048 on the GPU)\n"
+        "  --kv TYPE     GPU KV cache: bf16 (default for bf16 models) or f32 (2x the memory, exact attention\n"
+        "                inputs); the CPU always keeps fp32\n"
         "  --tokenize TEXT        print the token ids of TEXT (no BOS) and exit\n"
         "  --score IDS_FILE       teacher-forced pass over the ids: mean NLL and perplexity of tokens 2..n\n"
         "  --logits OUT           with --score: write float32 logits [n][vocab] to OUT; while generating:\n"
@@ -1446,6 +1448,12 @@ static void parse_args(int argc, char **argv, Options *o) {
         else if (!strcmp(a, "--raw")) o->raw = 1;
         else if (!strcmp(a, "--ids")) o->ids_mode = 1;
         else if (!strcmp(a, "--cpu")) o->cpu = 1;
+        else if (!strcmp(a, "--kv")) {
+            const char *v = NEXT();
+            if (!strcmp(v, "f32")) o->kv_f32 = 1;
+            else if (!strcmp(v, "bf16")) o->kv_f32 = 0;
+            else die("--kv takes bf16 or f32 (got '%s')", v);
+        }
         else if (!strcmp(a, "--chunk")) { o->chunk = (int)arg_int(a, NEXT()); if (o->chunk <= 0) die("--chunk must be > 0"); }
         else if (!strcmp(a, "--tokenize")) o->tokenize_text = NEXT();
         else if (!strcmp(a, "--score")) o->score_file = NEXT();
@@ -1606,6 +1614,7 @@ int main(int argc, char **argv) {
     Engine eng = {&model, NULL};
     model.random_weights = o.random_weights;
     model.random_seed = o.random_seed;
+    model.kv_f32 = o.kv_f32;
     if (use_gpu) {
         eng.gpu = gpu_init(&model, ctx, max_tokens, err, sizeof err);   /* fills random weights itself */
         if (!eng.gpu) die("%s", err);

@@ -896,7 +896,7 @@ struct GpuModel {
     Config c;
     int ctx, T, bf;          /* bf: weights and KV in bf16 (else f32) */
     int decode_split[2];     /* attention splits per layer type for one token (fixed: the graph is reused) */
-    int kv_bf;               /* KV cache in bf16 (the weights' dtype; LAGUNA_KV_F32=1 forces f32, a debug hook) */
+    int kv_bf;               /* KV cache in bf16 (the weights' dtype; --kv f32 keeps it in fp32) */
     int attn_scalar;         /* LAGUNA_ATTN_SCALAR=1: the plain attention kernel on bf16 KV (a debug hook) */
     int nsm;
     char *wbuf;              /* all weights: one allocation */
@@ -1093,7 +1093,7 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
     g->ctx = ctx;
     g->T = max_tokens;
     g->bf = m->weights.embed.dtype == DT_BF16;
-    g->kv_bf = g->bf && !getenv("LAGUNA_KV_F32");
+    g->kv_bf = g->bf && !m->kv_f32;
     g->attn_scalar = getenv("LAGUNA_ATTN_SCALAR") != NULL;
     g->use_graph = !getenv("LAGUNA_NO_GRAPH");    /* for the test that graph replay equals plain launches */
     int D = c->head_dim, H = c->dim, KVD = c->kv_dim, T = max_tokens, E = c->n_experts, K = c->n_experts_active;

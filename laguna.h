@@ -173,6 +173,7 @@ typedef struct {
      * identically on the CPU (laguna.c) and the GPU (laguna.cu); for benchmarks on sparse synthetic files */
     int random_weights;
     uint64_t random_seed;
+    int kv_f32;              /* GPU: keep the KV cache in fp32 (--kv f32); the default is the weights' dtype */
 } Model;
 
 /* laguna.c */

@@ -1,7 +1,7 @@
 """Where do the GPU and CPU forwards part? (dev tool; see dev/gpu_notes.md)
 Compares CPU and GPU logits position by position on (a) the xs21_bf16 fixture and (b) a small XS-2.1-width
 synthetic model with --random-weights, for --chunk 1 (decode kernels) and one pass (n-token path), with the
-debug hooks LAGUNA_ATTN_SCALAR=1 (plain attention kernel on the bf16 KV cache) and LAGUNA_KV_F32=1 (f32 KV)."""
+debug hooks LAGUNA_ATTN_SCALAR=1 (plain attention kernel on the bf16 KV cache) and --kv f32 (f32 KV)."""
 import os, subprocess, sys
 import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -19,13 +19,13 @@ def score(model, ids_file, n, *extra, env=None):
 
 def compare(label, model, ids_file, n, extra=()):
     cpu = score(model, ids_file, n, *extra, "--cpu", "--chunk", "256")
-    for env in ({}, {"LAGUNA_ATTN_SCALAR": "1"}, {"LAGUNA_KV_F32": "1"}):
+    for env, kv in (({}, "bf16"), ({"LAGUNA_ATTN_SCALAR": "1"}, "bf16"), ({}, "f32")):
         for chunk in ("1", "7", "2048"):
-            g = score(model, ids_file, n, *extra, "--chunk", chunk, env=env)
+            g = score(model, ids_file, n, *extra, "--chunk", chunk, "--kv", kv, env=env)
             d = np.abs(g - cpu).max(1)
             agree = (g.argmax(1) == cpu.argmax(1)).mean()
             first_bad = int(np.argmax(d > 0.05)) if (d > 0.05).any() else -1
-            print(f"{label} {' '.join(env) or 'default':18} chunk {chunk:>4}: max diff {d.max():.3g} "
+            print(f"{label} {' '.join(env) or 'default':18} kv {kv:4} chunk {chunk:>4}: max diff {d.max():.3g} "
                   f"(first row > 0.05: {first_bad}), top-1 agree {100 * agree:.1f}%")
 
 export([f"{ROOT}/test/data/fixtures/xs21_bf16/hf"], "/dev/shm/xs21f.bin")

@@ -4,7 +4,7 @@ Runs where there is an NVIDIA GPU and nvcc (`make test-gpu`); skips cleanly else
 Prints its figures (run pytest with -s). Tolerances, stated:
   - f32 fixtures run fully in fp32 on the GPU (f32 weights, f32 KV cache): |GPU - transformers| <= TOL_F32.
   - bf16 files: the kernels themselves are checked exactly by running the decode kernels with an f32 KV cache
-    (LAGUNA_KV_F32=1, a debug hook): bf16 weights, fp32 activations, the CPU's math: |GPU - CPU| <= TOL_F32.
+    (--kv f32): bf16 weights, fp32 activations, the CPU's math: |GPU - CPU| <= TOL_F32.
   - bf16 files as shipped (bf16 KV cache, bf16 GEMM inputs in n-token forwards): |GPU - CPU| <= TOL_BF16 and
     the mid-size random model's top-1 agreement >= 99.5% are the issue's bars. They are NOT met on these test
     models: bf16 rounding of K/V flips MoE routes (sharp routers, near-tied random experts) and a flipped route
@@ -87,7 +87,7 @@ def test_gpu_greedy_identical(laguna_gpu, exported, name):
     print(f"\n[gpu] {name}: greedy {len(want)} tokens: GPU == reference {gpu == want}, GPU == CPU {gpu == cpu}")
     if name in BF16 and gpu != want:
         # the exact path: the prompt through the decode kernels too (n-token GEMMs take bf16 inputs)
-        exact = [int(x) for x in run(args + ["--chunk", "1"], env=dict(os.environ, LAGUNA_KV_F32="1")).stdout.split()]
+        exact = [int(x) for x in run(args + ["--chunk", "1", "--kv", "f32"]).stdout.split()]
         print(f"[gpu] {name}: decode kernels with an f32 KV cache: GPU == reference {exact == want}")
         assert exact == want
         pytest.xfail("bf16 KV rounding flips MoE routes (dev/gpu_notes.md)")
@@ -112,7 +112,7 @@ def test_gpu_bf16_kernels_exact_with_f32_kv(laguna_gpu, exported, name, tmp_path
     """bf16 weights through the decode kernels with an f32 KV cache: the CPU's math, so the CPU's bar."""
     cpu, _ = score(laguna_gpu, exported(name), fx(name, "score.txt"), tmp_path, "--cpu")
     gpu, _ = score(laguna_gpu, exported(name), fx(name, "score.txt"), tmp_path, "--chunk", "1",
-                   env=dict(os.environ, LAGUNA_KV_F32="1"))
+                   "--kv", "f32")
     d = float(np.abs(gpu - cpu).max())
     print(f"\n[gpu] {name} decode kernels, f32 KV: max |GPU - CPU| = {d:.3g} (bar {TOL_F32})")
     assert d <= TOL_F32
@@ -164,7 +164,7 @@ def test_gpu_mid_size_random_model(laguna_gpu, tmp_path):
     t_gpu = time.time() - t0
     gpu1, _ = score(laguna_gpu, mid, str(ids_file), tmp_path, *common, "--chunk", "1")
     exact, _ = score(laguna_gpu, mid, str(ids_file), tmp_path, *common, "--chunk", "1",
-                     env=dict(os.environ, LAGUNA_KV_F32="1"))
+                     "--kv", "f32")
     d_exact = float(np.abs(exact - cpu).max())
     print(f"\n[gpu] mid-size, decode kernels with an f32 KV cache: max |GPU - CPU| = {d_exact:.3g}, top-1 agreement "
           f"{100 * float((exact.argmax(1) == cpu.argmax(1)).mean()):.2f}%")
