@@ -43,7 +43,8 @@ def test_gpu_bf16_fidelity_vs_official(laguna_gpu, tmp_path):
         cfg[k] = cfg[k][:LAYERS]
     cfg.pop("model_type"), cfg.pop("architectures")
     torch.manual_seed(0)
-    model = transformers.LagunaForCausalLM(transformers.LagunaConfig(**cfg)).to(torch.bfloat16)
+    with torch.device("cuda"):                  # 2.4B random parameters: initialise them on the GPU
+        model = transformers.LagunaForCausalLM(transformers.LagunaConfig(**cfg)).to(torch.bfloat16)
     big = "/dev/shm" if os.path.isdir("/dev/shm") else str(tmp_path)
     hf = os.path.join(big, "laguna_fidelity_hf")
     mid = os.path.join(big, "laguna_fidelity.bin")
@@ -54,7 +55,7 @@ def test_gpu_bf16_fidelity_vs_official(laguna_gpu, tmp_path):
         x = torch.tensor(ids, device="cuda")[None]
 
         with torch.no_grad():
-            official = model.cuda()(x).logits[0].float().cpu().numpy()
+            official = model(x).logits[0].float().cpu().numpy()
             model = model.float()
             model.config._attn_implementation = "eager"
             ref = model(x).logits[0].float().cpu().numpy()
