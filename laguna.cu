@@ -16,7 +16,8 @@
  *     matrix, the RMSNorm folded into the matvec, the 8 routed experts + shared expert as one launch each for
  *     gate/up and for down), replayed as one CUDA graph with the position in device memory.
  *   n > 1 (prefill chunks, verification): cuBLAS GEMMs, a tensor-core flash attention, and the MoE grouped by
- *     expert (a few tokens: one launch over the active experts; many tokens: one grouped cuBLAS GEMM).
+ *     expert (a few tokens: one launch over the active experts; many tokens: a tensor-core grouped GEMM per
+ *     projection for bf16 files, padded batched cuBLAS for the f32 fixtures).
  * dev/gpu_notes.md has the measurements behind these choices. */
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
@@ -263,7 +264,10 @@ __device__ __forceinline__ void key_range(int pos, int t_first, int t_last, int 
 }
 
 /* Tensor-core flash attention (bf16 K/V, mma.sync m16n8k16, fp32 accumulators, online softmax).
- * WARPS warps x 16 query rows; tiles of 64 keys staged in shared memory with cp.async. */
+ * WARPS warps x 16 query rows; tiles of 64 keys staged in shared memory with cp.async, double-buffered (the next
+ * tile loads while this one is computed); the masks are applied only to tiles that cross a row's key window.
+ * With one split (prefill) the kernel finishes the rows itself (normalise, softplus gate) and attention_combine
+ * is skipped. */
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
     return *(uint32_t *)&v;
@@ -288,14 +292,17 @@ __device__ __forceinline__ void cp_async16(void *smem, const void *g, bool valid
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(a), "l"(g), "r"(valid ? 16 : 0));
 }
 
+constexpr int flash_smem_bytes(int D) { return 4 * 64 * (D + 8) * (int)sizeof(bf16); }   /* K and V, two buffers each */
+
 template <int D, int WARPS>
 __global__ void __launch_bounds__(WARPS * 32)
 attention_flash(const float *qkvg, int NQ, int n, int g, int nh, const bf16 *kc, const bf16 *vc, int rows,
                 int KVD, const int *pos_ptr, int window, int nsplit, float *part_o, float2 *part_ml,
-                float scale_log2) {
+                float scale_log2, float *att, int gate_off, int gate_per_head) {
     constexpr int BM = 16 * WARPS, BN = 64, LD = D + 8;   /* +8: conflict-free ldmatrix rows */
-    __shared__ __align__(16) bf16 Ks[BN][LD];
-    __shared__ __align__(16) bf16 Vs[BN][LD];
+    extern __shared__ __align__(16) unsigned char flash_smem[];           /* [2][BN][LD] K, then [2][BN][LD] V */
+    bf16 (*Ks)[BN][LD] = reinterpret_cast<bf16 (*)[BN][LD]>(flash_smem);
+    bf16 (*Vs)[BN][LD] = reinterpret_cast<bf16 (*)[BN][LD]>(flash_smem + 2 * BN * LD * sizeof(bf16));
     const int h = blockIdx.y, split = blockIdx.z, pos = *pos_ptr, nrows = n * g;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
     const int row_first = blockIdx.x * BM, row_last = min(nrows, row_first + BM) - 1;
@@ -324,16 +331,25 @@ attention_flash(const float *qkvg, int NQ, int n, int g, int nh, const bf16 *kc,
         }
     float o[D / 8][4] = {};
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    /* keys every row of this block may see: tiles inside [lo_all, hi_all] need no mask */
+    const int hi_all = pos + row_first / g, lo_all = window ? pos + row_last / g - window + 1 : 0;
 
-    for (int kt = k_begin; kt < k_end; kt += BN) {
+    auto load = [&](int buf, int kt) {
         for (int c = threadIdx.x; c < BN * D / 8; c += WARPS * 32) {
             int key = c / (D / 8), ch = c % (D / 8), u = kt + key;
             bool valid = u < k_end;                                 /* beyond: zeros (no NaN from stale rows) */
             size_t off = valid ? (size_t)(u % rows) * KVD + (size_t)h * D + ch * 8 : 0;
-            cp_async16(&Ks[key][ch * 8], kc + off, valid);
-            cp_async16(&Vs[key][ch * 8], vc + off, valid);
+            cp_async16(&Ks[buf][key][ch * 8], kc + off, valid);
+            cp_async16(&Vs[buf][key][ch * 8], vc + off, valid);
         }
-        asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;" ::: "memory");
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    };
+    if (k_begin < k_end) load(0, k_begin);
+    for (int kt = k_begin, it = 0; kt < k_end; kt += BN, it++) {
+        const int buf = it & 1;
+        if (kt + BN < k_end) load(buf ^ 1, kt + BN);                /* the next tile, into the other buffer */
+        else asm volatile("cp.async.commit_group;" ::: "memory");
+        asm volatile("cp.async.wait_group 1;" ::: "memory");       /* this tile has landed */
         __syncthreads();
 
         float s[BN / 8][4] = {};                                    /* S = Q K^T */
@@ -343,20 +359,27 @@ attention_flash(const float *qkvg, int NQ, int n, int g, int nh, const bf16 *kc,
             for (int np = 0; np < BN / 16; np++) {
                 uint32_t b[4];
                 int mi = lane >> 3, r = lane & 7;
-                ldmatrix_x4(b, &Ks[np * 16 + (mi >> 1) * 8 + r][kk * 16 + (mi & 1) * 8], false);
+                ldmatrix_x4(b, &Ks[buf][np * 16 + (mi >> 1) * 8 + r][kk * 16 + (mi & 1) * 8], false);
                 mma_bf16(s[2 * np], qf[kk], b[0], b[1]);
                 mma_bf16(s[2 * np + 1], qf[kk], b[2], b[3]);
             }
         float mx[2] = {-INFINITY, -INFINITY};                       /* mask, scale, row max */
+        if (kt + BN <= k_end && kt + BN - 1 <= hi_all && kt >= lo_all) {
 #pragma unroll
-        for (int nt = 0; nt < BN / 8; nt++)
+            for (int nt = 0; nt < BN / 8; nt++)
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                int i = e >> 1, u = kt + nt * 8 + tig * 2 + (e & 1);
-                bool valid = ok[i] && u < k_end && u <= pr[i] && u >= lo[i];
-                s[nt][e] = valid ? s[nt][e] * scale_log2 : -INFINITY;
-                mx[i] = fmaxf(mx[i], s[nt][e]);
-            }
+                for (int e = 0; e < 4; e++) { s[nt][e] *= scale_log2; mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]); }
+        } else {
+#pragma unroll
+            for (int nt = 0; nt < BN / 8; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    int i = e >> 1, u = kt + nt * 8 + tig * 2 + (e & 1);
+                    bool valid = ok[i] && u < k_end && u <= pr[i] && u >= lo[i];
+                    s[nt][e] = valid ? s[nt][e] * scale_log2 : -INFINITY;
+                    mx[i] = fmaxf(mx[i], s[nt][e]);
+                }
+        }
         float corr[2];
 #pragma unroll
         for (int i = 0; i < 2; i++) {                               /* the 4 threads of a quad share a row */
@@ -388,7 +411,7 @@ attention_flash(const float *qkvg, int NQ, int n, int g, int nh, const bf16 *kc,
             for (int dp = 0; dp < D / 16; dp++) {
                 uint32_t b[4];
                 int mi = lane >> 3, r = lane & 7;
-                ldmatrix_x4(b, &Vs[kk * 16 + (mi & 1) * 8 + r][dp * 16 + (mi >> 1) * 8], true);
+                ldmatrix_x4(b, &Vs[buf][kk * 16 + (mi & 1) * 8 + r][dp * 16 + (mi >> 1) * 8], true);
                 mma_bf16(o[2 * dp], a, b[0], b[1]);
                 mma_bf16(o[2 * dp + 1], a, b[2], b[3]);
             }
@@ -400,6 +423,19 @@ attention_flash(const float *qkvg, int NQ, int n, int g, int nh, const bf16 *kc,
         l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
         l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
         if (!ok[i]) continue;
+        if (nsplit == 1) {                                          /* the whole row: normalise and gate here */
+            int t = rr[i] / g, hd = h * g + rr[i] % g;
+            const float *gate = qkvg + (size_t)t * NQ + gate_off;
+            float *out = att + ((size_t)t * nh + hd) * D;
+#pragma unroll
+            for (int dt = 0; dt < D / 8; dt++)
+#pragma unroll
+                for (int j = 0; j < 2; j++) {
+                    int d = dt * 8 + tig * 2 + j;
+                    out[d] = o[dt][2 * i + j] / l[i] * softplus(gate[gate_per_head ? hd : hd * D + d]);
+                }
+            continue;
+        }
         size_t idx = ((size_t)(rr[i] / g) * nh + h * g + rr[i] % g) * nsplit + split;
         float *po = part_o + idx * D;
 #pragma unroll
@@ -956,8 +992,11 @@ static void moe_gemm_launch(int bm, const bf16 *A, const bf16 *W, int N, int K, 
     LAUNCH_CHECK();
 }
 
-/* the grouped GEMMs take more than the default 48 KB of shared memory */
-static void moe_gemm_setup() {
+/* the grouped GEMMs and the double-buffered flash attention at head_dim 128 take more than the default 48 KB
+ * of shared memory */
+static void prefill_kernels_setup() {
+    CUDA_CHECK(cudaFuncSetAttribute(attention_flash<128, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize, flash_smem_bytes(128)));
+    CUDA_CHECK(cudaFuncSetAttribute(attention_flash<128, 4>, cudaFuncAttributeMaxDynamicSharedMemorySize, flash_smem_bytes(128)));
     CUDA_CHECK(cudaFuncSetAttribute(moe_gemm<64, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, moe_gemm_smem<64>()));
     CUDA_CHECK(cudaFuncSetAttribute(moe_gemm<64, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, moe_gemm_smem<64>()));
     CUDA_CHECK(cudaFuncSetAttribute(moe_gemm<32, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, moe_gemm_smem<32>()));
@@ -1443,7 +1482,7 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
         CUDA_CHECK(cudaFuncSetAttribute(matvec_kernel<float, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)dyn));
         CUDA_CHECK(cudaFuncSetAttribute(matvec_kernel<float, 4>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)dyn));
     }
-    if (g->bf && E) moe_gemm_setup();
+    prefill_kernels_setup();
     if (g->use_graph) capture_decode(g);    /* captured once here; replayed at every position */
     CUDA_CHECK(cudaDeviceSynchronize());
     size_t fr, tot;
@@ -1521,11 +1560,14 @@ static void attention(GpuModel *g, int l, int n, int pos) {
         if (n == 1) nsplit = g->decode_split[c->layer_type[l]];
         else nsplit = split_for(g, sliding ? window + n - 1 : pos + n, rb, n);
         dim3 grid(rb, nkv, nsplit);
-#define FLASH(DD, WW) attention_flash<DD, WW><<<grid, WW * 32, 0, g->stream>>>(g->qkvg, L->NQ, n, gq, L->nh, \
-        (const bf16 *)L->kc, (const bf16 *)L->vc, L->rows, c->kv_dim, pos_ptr, window, nsplit, g->part_o, g->part_ml, scale_log2)
+#define FLASH(DD, WW) attention_flash<DD, WW><<<grid, WW * 32, flash_smem_bytes(DD), g->stream>>>(g->qkvg, L->NQ, n, gq, L->nh, \
+        (const bf16 *)L->kc, (const bf16 *)L->vc, L->rows, c->kv_dim, pos_ptr, window, nsplit, g->part_o, g->part_ml, scale_log2, \
+        g->att, L->nh * D + 2 * c->kv_dim, c->gate_per_head)
         if (warps == 1) { switch (D) { case 16: FLASH(16, 1); break; case 32: FLASH(32, 1); break; case 64: FLASH(64, 1); break; default: FLASH(128, 1); } }
         else { switch (D) { case 16: FLASH(16, 4); break; case 32: FLASH(32, 4); break; case 64: FLASH(64, 4); break; default: FLASH(128, 4); } }
 #undef FLASH
+        LAUNCH_CHECK();
+        if (nsplit == 1) return;                    /* the flash kernel finished the rows */
     }
     LAUNCH_CHECK();
     attention_combine<<<n * L->nh, D < 32 ? 32 : D, 0, g->stream>>>(g->att, g->part_o, g->part_ml, nsplit, L->nh, D,

@@ -9,7 +9,8 @@
  * with outputs poisoned (NaN) before each run and a second run compared bit for bit (determinism). Shapes: the
  * real XS-2.1 ones (E 256, top-8, H 2048, I 512) at 512 and 2048 tokens, uniform and skewed routing, and odd
  * small ones like the test fixtures. Timed with events (median of 15 after warm-up), in TFLOP/s of useful work
- * (2 P (3 H I) flops, P = pairs). Prints a table; exit code 1 if any check fails. */
+ * (2 P (3 H I) flops, P = pairs). Then attention_flash (see attn_case). Prints tables; exit code 1 if any check
+ * fails. */
 #include "../laguna.cu"
 
 #include <algorithm>
@@ -256,6 +257,69 @@ static void run_case(const Case &cs, cublasHandle_t blas, cudaStream_t s) {
     for (void *p : fr) CUDA_CHECK(cudaFree(p));
 }
 
+/* attention_flash (double-buffered, masks on boundary tiles only, the rows finished in the kernel with one split)
+ * against attention_scalar + attention_combine (fp32 math on the same bf16 cache) on every row, and against
+ * itself with 4 splits (the combine path); head_dim 128, per-head gate; timed in TFLOP/s of causal work. */
+static void attn_case(const char *name, int n, int pos, int nh, int nkv, int window, bool check, cudaStream_t s) {
+    const int D = 128, KVD = nkv * D, g = nh / nkv, NQ = nh * D + 2 * KVD + nh, gate_off = nh * D + 2 * KVD;
+    const int rows = window ? window + n - 1 : pos + n;
+    const float scale_log2 = 1.4426950408889634f / sqrtf((float)D);
+    float *qkvg = dalloc<float>((size_t)n * NQ), *att = dalloc<float>((size_t)n * nh * D), *ref = dalloc<float>((size_t)n * nh * D);
+    size_t pcap = (size_t)n * nh * 4;
+    float *part_o = dalloc<float>(pcap * D);
+    float2 *part_ml = dalloc<float2>(pcap);
+    bf16 *kc = dalloc<bf16>((size_t)rows * KVD), *vc = dalloc<bf16>((size_t)rows * KVD);
+    int *pos_d = dalloc<int>(1);
+    CUDA_CHECK(cudaMemcpy(pos_d, &pos, 4, cudaMemcpyHostToDevice));
+    fill(qkvg, (size_t)n * NQ, 21, 2.0f, s);
+    fill(kc, (size_t)rows * KVD, 22, 2.0f, s);
+    fill(vc, (size_t)rows * KVD, 23, 1.0f, s);
+    const int warps = n * g <= 16 ? 1 : 4, rb = (n * g + 16 * warps - 1) / (16 * warps);
+    auto flash = [&](int nsplit, float *out) {
+        dim3 grid(rb, nkv, nsplit);
+        if (warps == 1) attention_flash<128, 1><<<grid, 32, flash_smem_bytes(128), s>>>(qkvg, NQ, n, g, nh, kc, vc, rows, KVD,
+            pos_d, window, nsplit, part_o, part_ml, scale_log2, out, gate_off, 1);
+        else attention_flash<128, 4><<<grid, 128, flash_smem_bytes(128), s>>>(qkvg, NQ, n, g, nh, kc, vc, rows, KVD,
+            pos_d, window, nsplit, part_o, part_ml, scale_log2, out, gate_off, 1);
+        LAUNCH_CHECK();
+        if (nsplit > 1) {
+            attention_combine<<<n * nh, D, 0, s>>>(out, part_o, part_ml, nsplit, nh, D, qkvg, NQ, gate_off, 1);
+            LAUNCH_CHECK();
+        }
+    };
+    double keys = 0;                                 /* causal (and windowed) keys summed over tokens */
+    for (int t = 0; t < n; t++) { int p = pos + t; keys += window ? std::min(window, p + 1) : p + 1; }
+    double fl = 4.0 * D * nh * keys;
+    double rel = -1, rel_split = -1;
+    int nsplit_big = std::min(4, (window ? window + n : pos + n) / 64 + 1);
+    if (check) {
+        attention_scalar<bf16><<<dim3(n, nh), 32, 0, s>>>(qkvg, NQ, n, g, nh, D, kc, vc, rows, KVD, pos_d, window, part_o,
+                                                          part_ml, scale_log2);
+        LAUNCH_CHECK();
+        attention_combine<<<n * nh, D, 0, s>>>(ref, part_o, part_ml, 1, nh, D, qkvg, NQ, gate_off, 1);
+        LAUNCH_CHECK();
+        auto compare = [&](int nsplit) {
+            CUDA_CHECK(cudaMemsetAsync(att, 0xFF, (size_t)n * nh * D * 4, s));
+            flash(nsplit, att);
+            CUDA_CHECK(cudaStreamSynchronize(s));
+            auto a = down(att, (size_t)n * nh * D), r = down(ref, (size_t)n * nh * D);
+            double e2 = 0, r2 = 0;
+            int nan = 0;
+            for (size_t i = 0; i < a.size(); i++) { if (!std::isfinite(a[i])) nan++; e2 += (a[i] - r[i]) * (a[i] - r[i]); r2 += (double)r[i] * r[i]; }
+            return nan ? 1e30 : sqrt(e2 / r2);
+        };
+        rel = compare(1);
+        rel_split = compare(nsplit_big);
+        CHECK(rel < 1e-2 && rel_split < 1e-2, "%s: flash vs scalar rel %.3g, with %d splits %.3g", name, rel, nsplit_big, rel_split);
+    }
+    float us = median_us(s, [&]() { flash(1, att); });
+    printf("| %s | %d | %d | %d/%d | %s | %.3g | %.3g | %.1f | %.0f |\n", name, n, pos, nh, nkv, window ? "sliding" : "full",
+           rel, rel_split, us, fl / us * 1e-6);
+    fflush(stdout);
+    void *fr[] = {qkvg, att, ref, part_o, part_ml, kc, vc, pos_d};
+    for (void *p : fr) CUDA_CHECK(cudaFree(p));
+}
+
 int main() {
     cudaDeviceProp prop;
     CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
@@ -265,7 +329,7 @@ int main() {
     cublasHandle_t blas;
     CUBLAS_CHECK(cublasCreate(&blas));
     CUBLAS_CHECK(cublasSetStream(blas, s));
-    moe_gemm_setup();
+    prefill_kernels_setup();
     Case cases[] = {
         {"XS-2.1", 2048, 256, 8, 2048, 512, 0.0f, 48},
         {"XS-2.1 skewed (16 hot experts)", 2048, 256, 8, 2048, 512, 3.0f, 48},
@@ -279,6 +343,13 @@ int main() {
     printf("| case | tokens | E/top-k | BM | active/max pairs | checked | rel err vs CPU | vs previous | route_plan / route_many us | "
            "new experts us (gate_up + down) | TFLOP/s | previous us | TFLOP/s |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     for (auto &c : cases) run_case(c, blas, s);
+    printf("\n| attention | tokens | pos | heads/kv | layer | rel err vs scalar | 4 splits | us | TFLOP/s |\n|---|---|---|---|---|---|---|---|---|\n");
+    attn_case("prefill chunk, full", 2048, 14336, 48, 8, 0, true, s);
+    attn_case("prefill chunk, sliding ring", 2048, 5000, 64, 8, 512, true, s);
+    attn_case("odd: 37 tokens, group 3, window 5", 37, 100, 6, 2, 5, true, s);
+    attn_case("decode-like: 1 token", 1, 3000, 48, 8, 0, true, s);
+    attn_case("verify: 16 tokens", 16, 3000, 48, 8, 0, true, s);
+    attn_case("last chunk of 131072, full", 2048, 129024, 48, 8, 0, false, s);
     printf("\n%s\n", failures ? "SOME CHECKS FAILED" : "all checks passed");
     return failures ? 1 : 0;
 }
