@@ -55,8 +55,11 @@ bench: dev/bench_gpu dev/matvec_lab
 
 .PHONY: clean test cuda cuda-compile test-gpu bench
 clean:
-	rm -f laguna laguna-debug laguna-cuda dev/bench_gpu dev/matvec_lab *.o
+	rm -f laguna laguna-debug laguna-cuda dev/bench_gpu dev/matvec_lab dev/moe_gemm_lab *.o
 
 # tokenizer speed: encode a file, tokens/s on one core (make bench_tokenizer && ./bench_tokenizer MODEL.bin FILE)
 bench_tokenizer: dev/bench_tokenizer.c tokenizer.c tokenizer.h tokenizer_unicode.h
 	$(CC) -O2 -std=c11 -Wall -Wextra -I. dev/bench_tokenizer.c tokenizer.c -o $@
+
+dev/moe_gemm_lab: dev/moe_gemm_lab.cu laguna.cu laguna.h
+	$(NVCC) $(NVCCFLAGS) dev/moe_gemm_lab.cu -o $@ -lcublas

@@ -16,7 +16,8 @@
  *     matrix, the RMSNorm folded into the matvec, the 8 routed experts + shared expert as one launch each for
  *     gate/up and for down), replayed as one CUDA graph with the position in device memory.
  *   n > 1 (prefill chunks, verification): cuBLAS GEMMs, a tensor-core flash attention, and the MoE grouped by
- *     expert (a few tokens: one launch over the active experts; many tokens: one grouped cuBLAS GEMM).
+ *     expert (a few tokens: one launch over the active experts; many tokens: a tensor-core grouped GEMM per
+ *     projection for bf16 files, padded batched cuBLAS for the f32 fixtures).
  * dev/gpu_notes.md has the measurements behind these choices. */
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
@@ -263,7 +264,10 @@ __device__ __forceinline__ void key_range(int pos, int t_first, int t_last, int 
 }
 
 /* Tensor-core flash attention (bf16 K/V, mma.sync m16n8k16, fp32 accumulators, online softmax).
- * WARPS warps x 16 query rows; tiles of 64 keys staged in shared memory with cp.async. */
+ * WARPS warps x 16 query rows; tiles of 64 keys staged in shared memory with cp.async, double-buffered (the next
+ * tile loads while this one is computed); the masks are applied only to tiles that cross a row's key window.
+ * With one split (prefill) the kernel finishes the rows itself (normalise, softplus gate) and attention_combine
+ * is skipped. */
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
     return *(uint32_t *)&v;
@@ -288,14 +292,17 @@ __device__ __forceinline__ void cp_async16(void *smem, const void *g, bool valid
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(a), "l"(g), "r"(valid ? 16 : 0));
 }
 
+constexpr int flash_smem_bytes(int D) { return 4 * 64 * (D + 8) * (int)sizeof(bf16); }   /* K and V, two buffers each */
+
 template <int D, int WARPS>
 __global__ void __launch_bounds__(WARPS * 32)
 attention_flash(const float *qkvg, int NQ, int n, int g, int nh, const bf16 *kc, const bf16 *vc, int rows,
                 int KVD, const int *pos_ptr, int window, int nsplit, float *part_o, float2 *part_ml,
-                float scale_log2) {
+                float scale_log2, float *att, int gate_off, int gate_per_head) {
     constexpr int BM = 16 * WARPS, BN = 64, LD = D + 8;   /* +8: conflict-free ldmatrix rows */
-    __shared__ __align__(16) bf16 Ks[BN][LD];
-    __shared__ __align__(16) bf16 Vs[BN][LD];
+    extern __shared__ __align__(16) unsigned char flash_smem[];           /* [2][BN][LD] K, then [2][BN][LD] V */
+    bf16 (*Ks)[BN][LD] = reinterpret_cast<bf16 (*)[BN][LD]>(flash_smem);
+    bf16 (*Vs)[BN][LD] = reinterpret_cast<bf16 (*)[BN][LD]>(flash_smem + 2 * BN * LD * sizeof(bf16));
     const int h = blockIdx.y, split = blockIdx.z, pos = *pos_ptr, nrows = n * g;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
     const int row_first = blockIdx.x * BM, row_last = min(nrows, row_first + BM) - 1;
@@ -324,16 +331,25 @@ attention_flash(const float *qkvg, int NQ, int n, int g, int nh, const bf16 *kc,
         }
     float o[D / 8][4] = {};
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    /* keys every row of this block may see: tiles inside [lo_all, hi_all] need no mask */
+    const int hi_all = pos + row_first / g, lo_all = window ? pos + row_last / g - window + 1 : 0;
 
-    for (int kt = k_begin; kt < k_end; kt += BN) {
+    auto load = [&](int buf, int kt) {
         for (int c = threadIdx.x; c < BN * D / 8; c += WARPS * 32) {
             int key = c / (D / 8), ch = c % (D / 8), u = kt + key;
             bool valid = u < k_end;                                 /* beyond: zeros (no NaN from stale rows) */
             size_t off = valid ? (size_t)(u % rows) * KVD + (size_t)h * D + ch * 8 : 0;
-            cp_async16(&Ks[key][ch * 8], kc + off, valid);
-            cp_async16(&Vs[key][ch * 8], vc + off, valid);
+            cp_async16(&Ks[buf][key][ch * 8], kc + off, valid);
+            cp_async16(&Vs[buf][key][ch * 8], vc + off, valid);
         }
-        asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;" ::: "memory");
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    };
+    if (k_begin < k_end) load(0, k_begin);
+    for (int kt = k_begin, it = 0; kt < k_end; kt += BN, it++) {
+        const int buf = it & 1;
+        if (kt + BN < k_end) load(buf ^ 1, kt + BN);                /* the next tile, into the other buffer */
+        else asm volatile("cp.async.commit_group;" ::: "memory");
+        asm volatile("cp.async.wait_group 1;" ::: "memory");       /* this tile has landed */
         __syncthreads();
 
         float s[BN / 8][4] = {};                                    /* S = Q K^T */
@@ -343,20 +359,27 @@ attention_flash(const float *qkvg, int NQ, int n, int g, int nh, const bf16 *kc,
             for (int np = 0; np < BN / 16; np++) {
                 uint32_t b[4];
                 int mi = lane >> 3, r = lane & 7;
-                ldmatrix_x4(b, &Ks[np * 16 + (mi >> 1) * 8 + r][kk * 16 + (mi & 1) * 8], false);
+                ldmatrix_x4(b, &Ks[buf][np * 16 + (mi >> 1) * 8 + r][kk * 16 + (mi & 1) * 8], false);
                 mma_bf16(s[2 * np], qf[kk], b[0], b[1]);
                 mma_bf16(s[2 * np + 1], qf[kk], b[2], b[3]);
             }
         float mx[2] = {-INFINITY, -INFINITY};                       /* mask, scale, row max */
+        if (kt + BN <= k_end && kt + BN - 1 <= hi_all && kt >= lo_all) {
 #pragma unroll
-        for (int nt = 0; nt < BN / 8; nt++)
+            for (int nt = 0; nt < BN / 8; nt++)
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                int i = e >> 1, u = kt + nt * 8 + tig * 2 + (e & 1);
-                bool valid = ok[i] && u < k_end && u <= pr[i] && u >= lo[i];
-                s[nt][e] = valid ? s[nt][e] * scale_log2 : -INFINITY;
-                mx[i] = fmaxf(mx[i], s[nt][e]);
-            }
+                for (int e = 0; e < 4; e++) { s[nt][e] *= scale_log2; mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]); }
+        } else {
+#pragma unroll
+            for (int nt = 0; nt < BN / 8; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    int i = e >> 1, u = kt + nt * 8 + tig * 2 + (e & 1);
+                    bool valid = ok[i] && u < k_end && u <= pr[i] && u >= lo[i];
+                    s[nt][e] = valid ? s[nt][e] * scale_log2 : -INFINITY;
+                    mx[i] = fmaxf(mx[i], s[nt][e]);
+                }
+        }
         float corr[2];
 #pragma unroll
         for (int i = 0; i < 2; i++) {                               /* the 4 threads of a quad share a row */
@@ -388,7 +411,7 @@ attention_flash(const float *qkvg, int NQ, int n, int g, int nh, const bf16 *kc,
             for (int dp = 0; dp < D / 16; dp++) {
                 uint32_t b[4];
                 int mi = lane >> 3, r = lane & 7;
-                ldmatrix_x4(b, &Vs[kk * 16 + (mi & 1) * 8 + r][dp * 16 + (mi >> 1) * 8], true);
+                ldmatrix_x4(b, &Vs[buf][kk * 16 + (mi & 1) * 8 + r][dp * 16 + (mi >> 1) * 8], true);
                 mma_bf16(o[2 * dp], a, b[0], b[1]);
                 mma_bf16(o[2 * dp + 1], a, b[2], b[3]);
             }
@@ -400,6 +423,19 @@ attention_flash(const float *qkvg, int NQ, int n, int g, int nh, const bf16 *kc,
         l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
         l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
         if (!ok[i]) continue;
+        if (nsplit == 1) {                                          /* the whole row: normalise and gate here */
+            int t = rr[i] / g, hd = h * g + rr[i] % g;
+            const float *gate = qkvg + (size_t)t * NQ + gate_off;
+            float *out = att + ((size_t)t * nh + hd) * D;
+#pragma unroll
+            for (int dt = 0; dt < D / 8; dt++)
+#pragma unroll
+                for (int j = 0; j < 2; j++) {
+                    int d = dt * 8 + tig * 2 + j;
+                    out[d] = o[dt][2 * i + j] / l[i] * softplus(gate[gate_per_head ? hd : hd * D + d]);
+                }
+            continue;
+        }
         size_t idx = ((size_t)(rr[i] / g) * nh + h * g + rr[i] % g) * nsplit + split;
         float *po = part_o + idx * D;
 #pragma unroll
@@ -481,41 +517,46 @@ __global__ void attention_combine(float *att, const float *part_o, const float2 
  * lower id), weights = unbiased scores renormalised; then the (token, slot) pairs sorted by expert so each
  * active expert's weights are read once: start[e]..start[e+1] are expert e's pairs, pair_tok / pair_w their
  * token and weight, inv[t*K + j] where pair (t, j) went, active[0..n_active) the experts used (ascending). */
+/* One token's routing, by one warp: sigmoid (optional tanh softcap) of the logits in place, top-k of
+ * score + correction bias (ties to the lower id), weights = the unbiased scores renormalised. */
+__device__ void route_token(float *lg, const float *bias, int E, int K, float softcap, int *idx, float *wt) {
+    int lane = threadIdx.x & 31;
+    for (int e = lane; e < E; e += 32) {
+        float v = lg[e];
+        if (softcap > 0.0f) v = tanhf(v / softcap) * softcap;
+        lg[e] = 1.0f / (1.0f + expf(-v));
+    }
+    __syncwarp();
+    uint32_t taken = 0;               /* bit i: expert lane + 32 i already chosen (E <= 1024) */
+    float sum = 0.0f;
+    for (int j = 0; j < K; j++) {
+        float bv = -INFINITY;
+        int be = E;
+        for (int i = 0, e = lane; e < E; i++, e += 32) {
+            float v = lg[e] + bias[e];
+            if (!(taken >> i & 1) && (v > bv || be == E)) { bv = v; be = e; }
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+            float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            int oe = __shfl_xor_sync(0xffffffffu, be, o);
+            if (oe < E && (be == E || ov > bv || (ov == bv && oe < be))) { bv = ov; be = oe; }
+        }
+        if ((be & 31) == lane) taken |= 1u << (be >> 5);
+        float w = lg[be];
+        sum += w;
+        if (lane == 0) { idx[j] = be; wt[j] = w; }
+    }
+    __syncwarp();
+    if (lane < K) wt[lane] /= sum;
+}
+
 __global__ void route_plan(float *logits, const float *bias, int n, int E, int K, float softcap, int *topk_idx,
                            float *topk_w, int *start, int *pair_tok, float *pair_w, int *inv, int *active,
                            int *n_active) {
     extern __shared__ int cnt[];          /* [E] counts, then [E] fill */
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
-    for (int t = warp; t < n; t += nw) {
-        float *lg = logits + (size_t)t * E;
-        for (int e = lane; e < E; e += 32) {
-            float v = lg[e];
-            if (softcap > 0.0f) v = tanhf(v / softcap) * softcap;
-            lg[e] = 1.0f / (1.0f + expf(-v));
-        }
-        __syncwarp();
-        uint32_t taken = 0;               /* bit i: expert lane + 32 i already chosen (E <= 1024) */
-        float sum = 0.0f;
-        for (int j = 0; j < K; j++) {
-            float bv = -INFINITY;
-            int be = E;
-            for (int i = 0, e = lane; e < E; i++, e += 32) {
-                float v = lg[e] + bias[e];
-                if (!(taken >> i & 1) && (v > bv || be == E)) { bv = v; be = e; }
-            }
-            for (int o = 16; o > 0; o >>= 1) {
-                float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-                int oe = __shfl_xor_sync(0xffffffffu, be, o);
-                if (oe < E && (be == E || ov > bv || (ov == bv && oe < be))) { bv = ov; be = oe; }
-            }
-            if ((be & 31) == lane) taken |= 1u << (be >> 5);
-            float w = lg[be];
-            sum += w;
-            if (lane == 0) { topk_idx[t * K + j] = be; topk_w[t * K + j] = w; }
-        }
-        __syncwarp();
-        if (lane < K) topk_w[t * K + lane] /= sum;
-    }
+    for (int t = warp; t < n; t += nw)
+        route_token(logits + (size_t)t * E, bias, E, K, softcap, topk_idx + (size_t)t * K, topk_w + (size_t)t * K);
     for (int e = threadIdx.x; e < 2 * E; e += blockDim.x) cnt[e] = 0;
     __syncthreads();
     int P = n * K;
@@ -742,6 +783,226 @@ __global__ void moe_combine(float *x, const float *y_pair, const float *ys, cons
     }
 }
 
+/* ---- MoE of many tokens (n > 1): routing and the pair sort in three multi-block launches ----
+ * route_many_topk: a warp per token (route_token), and each block's per-expert counts of its ROUTE_TOK tokens;
+ * route_many_scan (one block, a thread per expert): each block's offset within each expert, start[], the active
+ *   list and the GEMM tile map tile_start[] (expert e owns m-tiles tile_start[e]..tile_start[e+1] of bm pairs);
+ * route_many_scatter: a warp per block of tokens places its pairs in token-then-slot order within each expert,
+ *   so the sort is deterministic (same order as the CPU walks the pairs). */
+#define ROUTE_TOK 32
+
+__global__ void __launch_bounds__(256) route_many_topk(float *logits, const float *bias, int n, int E, int K,
+                                                       float softcap, int *topk_idx, float *topk_w, int *blk_cnt) {
+    extern __shared__ int cnt[];                    /* [E] */
+    for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
+    int t0 = blockIdx.x * ROUTE_TOK, t1 = min(n, t0 + ROUTE_TOK);
+    for (int t = t0 + (threadIdx.x >> 5); t < t1; t += blockDim.x >> 5)
+        route_token(logits + (size_t)t * E, bias, E, K, softcap, topk_idx + (size_t)t * K, topk_w + (size_t)t * K);
+    __syncthreads();                                /* the block's top-k (global) and the zeroed counts */
+    for (int p = t0 * K + threadIdx.x; p < t1 * K; p += blockDim.x) atomicAdd(&cnt[topk_idx[p]], 1);
+    __syncthreads();
+    for (int e = threadIdx.x; e < E; e += blockDim.x) blk_cnt[(size_t)blockIdx.x * E + e] = cnt[e];
+}
+
+/* exclusive prefix sum over the block (blockDim.x a multiple of 32); *total gets the sum */
+__device__ int block_exclusive_scan(int v, int *total) {
+    __shared__ int wsum[32];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    int incl = v;
+    for (int o = 1; o < 32; o <<= 1) { int u = __shfl_up_sync(0xffffffffu, incl, o); if (lane >= o) incl += u; }
+    __syncthreads();                                /* wsum may still be read by a previous call */
+    if (lane == 31) wsum[warp] = incl;
+    __syncthreads();
+    int before = 0, all = 0;
+    for (int w = 0; w < nw; w++) { if (w < warp) before += wsum[w]; all += wsum[w]; }
+    *total = all;
+    return before + incl - v;
+}
+
+__global__ void __launch_bounds__(1024) route_many_scan(int *blk_cnt, int nblk, int E, int bm, int *start,
+                                                        int *active, int *n_active, int *tile_start) {
+    int e = threadIdx.x, cnt = 0;
+    if (e < E)
+        for (int b = 0; b < nblk; b++) {            /* counts -> offsets within the expert, in block order */
+            int c = blk_cnt[(size_t)b * E + e];
+            blk_cnt[(size_t)b * E + e] = cnt;
+            cnt += c;
+        }
+    int P, na, nt;
+    int s = block_exclusive_scan(cnt, &P);
+    int a = block_exclusive_scan(cnt > 0, &na);
+    int ts = block_exclusive_scan((cnt + bm - 1) / bm, &nt);
+    if (e < E) {
+        start[e] = s;
+        tile_start[e] = ts;
+        if (cnt) active[a] = e;
+        for (int b = 0; b < nblk; b++) blk_cnt[(size_t)b * E + e] += s;
+    }
+    if (e == 0) { start[E] = P; tile_start[E] = nt; *n_active = na; }
+}
+
+__global__ void __launch_bounds__(32) route_many_scatter(const int *topk_idx, const float *topk_w, int n, int E, int K,
+                                                         const int *blk_off, int *pair_tok, float *pair_w, int *inv) {
+    extern __shared__ int fill[];                   /* [E] pairs placed so far in this block, per expert */
+    int lane = threadIdx.x;
+    for (int e = lane; e < E; e += 32) fill[e] = 0;
+    __syncwarp();
+    const int *off = blk_off + (size_t)blockIdx.x * E;
+    int p0 = blockIdx.x * ROUTE_TOK * K, p1 = min(n, (blockIdx.x + 1) * ROUTE_TOK) * K;
+    for (int base = p0; base < p1; base += 32) {
+        int p = base + lane;
+        int e = p < p1 ? topk_idx[p] : E + lane;    /* idle lanes: keys no expert has */
+        unsigned peers = __match_any_sync(0xffffffffu, e);
+        if (p < p1) {
+            int k = off[e] + fill[e] + __popc(peers & ((1u << lane) - 1));
+            pair_tok[k] = p / K;
+            pair_w[k] = topk_w[p];
+            inv[p] = k;
+        }
+        __syncwarp();
+        if (p < p1 && lane == 31 - __clz(peers)) fill[e] += __popc(peers);   /* the last peer counts them */
+        __syncwarp();
+    }
+}
+
+/* ---- grouped expert GEMM on tensor cores (bf16 weights, many pairs) ----
+ * out[k, f] = sum_j A[k, j] W_e[f, j] for the pairs k of expert e (rows start[e]..start[e+1] of A, which holds the
+ * pairs' inputs gathered in expert order). One launch per projection: blockIdx.y is an m-tile of BM pairs of one
+ * expert (found in tile_start by binary search; the grid is an upper bound, extra tiles exit), blockIdx.x a block
+ * of output features, so the m-tiles of one expert and the feature blocks of one m-tile run side by side and
+ * share weights and inputs through L2. 4 warps, mma.sync m16n8k16 (bf16 in, fp32 accumulators), ldmatrix,
+ * 3-stage cp.async pipeline over K in steps of 64; rows, features and K past the ends are zero-filled, so any
+ * size with K % 8 == 0 works.
+ *   GATED (gate_up, W_e [2N, K]): the tile takes gate rows f0..f0+63 and the matching up rows N+f0..; each thread
+ *     holds gate and up of the same features, so SwiGLU is the epilogue: out = bf16 silu(gate) * up, [P, N].
+ *   else (down, W_e [N, K]): out = fp32 [P, N], one row per pair (moe_combine weights and sums them). */
+constexpr int MOE_BN = 128, MOE_BK = 64, MOE_LDS = MOE_BK + 8, MOE_STAGES = 3;   /* +8: conflict-free ldmatrix */
+
+template <int BM>
+constexpr int moe_gemm_smem() { return MOE_STAGES * (BM + MOE_BN) * MOE_LDS * 2; }
+
+template <int BM, bool GATED>
+__global__ void __launch_bounds__(128) moe_gemm(const bf16 *A, const bf16 *W, int N, int K, const int *start,
+                                                const int *tile_start, int E, void *out) {
+    constexpr int BN = MOE_BN, BK = MOE_BK, LDS = MOE_LDS, ST = MOE_STAGES;
+    constexpr int WM = BM / 32, WN = 4 / WM, WNW = BN / WN, NT = WNW / 8, NP = NT / 2;   /* warp tile 32 x WNW */
+    static_assert(WM * WN == 4 && NP % 2 == 0, "tile shape");
+    extern __shared__ __align__(16) unsigned char smem[];
+    bf16 (*As)[BM][LDS] = reinterpret_cast<bf16 (*)[BM][LDS]>(smem);
+    bf16 (*Bs)[BN][LDS] = reinterpret_cast<bf16 (*)[BN][LDS]>(smem + ST * BM * LDS * sizeof(bf16));
+
+    int y = blockIdx.y;
+    if (y >= tile_start[E]) return;
+    int lo = 0, hi = E;                             /* the expert: the last e with tile_start[e] <= y */
+    while (hi - lo > 1) { int mid = (lo + hi) / 2; if (tile_start[mid] <= y) lo = mid; else hi = mid; }
+    const int e = lo, row0 = start[e] + (y - tile_start[e]) * BM, rows = min(BM, start[e + 1] - row0);
+    const int f0 = blockIdx.x * (GATED ? BN / 2 : BN);
+    const bf16 *Ae = A + (size_t)row0 * K, *We = W + (size_t)e * (GATED ? 2 : 1) * N * K;
+
+    auto load = [&](int st, int k0) {
+        for (int c = threadIdx.x; c < BM * BK / 8; c += 128) {
+            int r = c / (BK / 8), k = k0 + c % (BK / 8) * 8;
+            bool v = r < rows && k < K;
+            cp_async16(&As[st][r][k - k0], v ? Ae + (size_t)r * K + k : A, v);
+        }
+        for (int c = threadIdx.x; c < BN * BK / 8; c += 128) {
+            int r = c / (BK / 8), k = k0 + c % (BK / 8) * 8;
+            int f = f0 + (GATED ? r % (BN / 2) : r);
+            size_t wrow = GATED && r >= BN / 2 ? (size_t)N + f : (size_t)f;
+            bool v = f < N && k < K;
+            cp_async16(&Bs[st][r][k - k0], v ? We + wrow * K + k : W, v);
+        }
+    };
+    const int nk = (K + BK - 1) / BK;
+#pragma unroll
+    for (int s = 0; s < ST - 1; s++) {
+        if (s < nk) load(s, s * BK);
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    }
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wm = warp / WN, wn = warp % WN;
+    float acc[2][NT][4] = {};
+    for (int kt = 0; kt < nk; kt++) {
+        asm volatile("cp.async.wait_group %0;" ::"n"(ST - 2) : "memory");
+        __syncthreads();                            /* tile kt landed; every warp is done with tile kt - 1 */
+        if (kt + ST - 1 < nk) load((kt + ST - 1) % ST, (kt + ST - 1) * BK);
+        asm volatile("cp.async.commit_group;" ::: "memory");
+        const int st = kt % ST;
+#pragma unroll
+        for (int kk = 0; kk < BK / 16; kk++) {
+            uint32_t a[2][4];
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++)
+                ldmatrix_x4(a[mt], &As[st][wm * 32 + mt * 16 + (lane & 15)][kk * 16 + (lane >> 4) * 8], false);
+#pragma unroll
+            for (int np = 0; np < NP; np++) {
+                /* this warp's feature rows: gate then up halves (GATED), or one run of WNW rows */
+                int br = GATED ? (np < NP / 2 ? wn * (WNW / 2) + np * 16 : BN / 2 + wn * (WNW / 2) + (np - NP / 2) * 16)
+                               : wn * WNW + np * 16;
+                uint32_t b[4];
+                int mi = lane >> 3;
+                ldmatrix_x4(b, &Bs[st][br + (mi >> 1) * 8 + (lane & 7)][kk * 16 + (mi & 1) * 8], false);
+#pragma unroll
+                for (int mt = 0; mt < 2; mt++) {
+                    mma_bf16(acc[mt][2 * np], a[mt], b[0], b[1]);
+                    mma_bf16(acc[mt][2 * np + 1], a[mt], b[2], b[3]);
+                }
+            }
+        }
+    }
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    const int gid = lane >> 2, tig = lane & 3;
+#pragma unroll
+    for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            int r = wm * 32 + mt * 16 + gid + 8 * i;
+            if (r >= rows) continue;
+            size_t orow = (size_t)(row0 + r) * N;
+            if (GATED) {
+#pragma unroll
+                for (int nt = 0; nt < NT / 2; nt++) {
+                    int f = f0 + wn * (WNW / 2) + nt * 8 + tig * 2;
+                    if (f >= N) continue;
+                    const float *gt = acc[mt][nt], *up = acc[mt][nt + NT / 2];
+                    *(__nv_bfloat162 *)((bf16 *)out + orow + f) =
+                        __floats2bfloat162_rn(silu(gt[2 * i]) * up[2 * i], silu(gt[2 * i + 1]) * up[2 * i + 1]);
+                }
+            } else {
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++) {
+                    int f = f0 + wn * WNW + nt * 8 + tig * 2;
+                    if (f < N) *(float2 *)((float *)out + orow + f) = make_float2(acc[mt][nt][2 * i], acc[mt][nt][2 * i + 1]);
+                }
+            }
+        }
+}
+
+/* the m-tile height for P pairs over E experts: 64 once experts average >= 48 pairs, else 32 (less padding) */
+static int moe_bm(int P, int E) { return P >= 48 * E ? 64 : 32; }
+
+/* launch one grouped projection: gate_up (GATED, N = I, K = H) or down (N = H, K = I) */
+template <bool GATED>
+static void moe_gemm_launch(int bm, const bf16 *A, const bf16 *W, int N, int K, const int *start, const int *tile_start,
+                            int E, int P, void *out, cudaStream_t s) {
+    int fb = GATED ? MOE_BN / 2 : MOE_BN;
+    int max_active = P < E ? P : E;
+    dim3 grid((N + fb - 1) / fb, (P + bm - 1) / bm + max_active);   /* an upper bound on the m-tiles */
+    if (bm == 64) moe_gemm<64, GATED><<<grid, 128, moe_gemm_smem<64>(), s>>>(A, W, N, K, start, tile_start, E, out);
+    else moe_gemm<32, GATED><<<grid, 128, moe_gemm_smem<32>(), s>>>(A, W, N, K, start, tile_start, E, out);
+    LAUNCH_CHECK();
+}
+
+/* the grouped GEMMs and the double-buffered flash attention at head_dim 128 take more than the default 48 KB
+ * of shared memory */
+static void prefill_kernels_setup() {
+    CUDA_CHECK(cudaFuncSetAttribute(attention_flash<128, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize, flash_smem_bytes(128)));
+    CUDA_CHECK(cudaFuncSetAttribute(attention_flash<128, 4>, cudaFuncAttributeMaxDynamicSharedMemorySize, flash_smem_bytes(128)));
+    CUDA_CHECK(cudaFuncSetAttribute(moe_gemm<64, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, moe_gemm_smem<64>()));
+    CUDA_CHECK(cudaFuncSetAttribute(moe_gemm<64, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, moe_gemm_smem<64>()));
+    CUDA_CHECK(cudaFuncSetAttribute(moe_gemm<32, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, moe_gemm_smem<32>()));
+    CUDA_CHECK(cudaFuncSetAttribute(moe_gemm<32, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, moe_gemm_smem<32>()));
+}
+
 /* many tokens, padded batched GEMM: pair p's output row becomes rank[e] * maxc + (its row within expert e) */
 __global__ void remap_pairs(int *inv, const int *topk_idx, const int *start, const int *rank, int maxc, int P) {
     int p = blockIdx.x * blockDim.x + threadIdx.x;
@@ -912,6 +1173,7 @@ struct GpuModel {
     void *act16;             /* GEMM inputs in the weights' dtype */
     void *x_sorted, *act_sorted;
     int *tokens, *pos, *topk_idx, *start, *pair_tok, *inv, *active, *n_active;
+    int *blk_cnt, *tile_start;  /* n > 1 routing: per-block expert counts/offsets [T/ROUTE_TOK + 1, E]; GEMM m-tiles [E + 1] */
     size_t part_cap;         /* floats in part_o */
     void **gptr;             /* device pointer arrays for the grouped GEMMs [6 * E] */
     /* host side */
@@ -1198,6 +1460,8 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
         ALLOC(g->x_sorted, (P + T) * H * dsize(g), char);   /* + T rows: padding reads past the last expert */
         ALLOC(g->act_sorted, 2 * P * I * dsize(g), char);
         ALLOC(g->gptr, 7 * (size_t)E, void *);              /* 6 pointer arrays and the expert ranks */
+        ALLOC(g->blk_cnt, ((size_t)T / ROUTE_TOK + 1) * E, int);
+        ALLOC(g->tile_start, E + 1, int);
     }
 #undef ALLOC
     g->actbytes = act0;
@@ -1218,6 +1482,7 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
         CUDA_CHECK(cudaFuncSetAttribute(matvec_kernel<float, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)dyn));
         CUDA_CHECK(cudaFuncSetAttribute(matvec_kernel<float, 4>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)dyn));
     }
+    prefill_kernels_setup();
     if (g->use_graph) capture_decode(g);    /* captured once here; replayed at every position */
     CUDA_CHECK(cudaDeviceSynchronize());
     size_t fr, tot;
@@ -1238,7 +1503,7 @@ extern "C" void gpu_free(GpuModel *g) {
     void *dev[] = {g->wbuf, g->kvbuf, g->x, g->xb, g->qkvg, g->att, g->mlp_h, g->mlp_act, g->act16, g->logits,
                    g->part_o, g->part_ml, g->tokens, g->pos, g->d_step, g->router_logits, g->topk_idx, g->topk_w,
                    g->pair_w, g->pair_tok, g->inv, g->start, g->active, g->n_active, g->h_pair, g->hs, g->y_pair,
-                   g->ys, g->x_sorted, g->act_sorted, g->gptr};
+                   g->ys, g->x_sorted, g->act_sorted, g->gptr, g->blk_cnt, g->tile_start};
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++) if (dev[i]) cudaFree(dev[i]);
     void *host[] = {g->h_tokens, g->h_logits, g->h_step, g->h_start, g->h_gptr};
     for (size_t i = 0; i < sizeof host / sizeof host[0]; i++) if (host[i]) cudaFreeHost(host[i]);
@@ -1295,11 +1560,14 @@ static void attention(GpuModel *g, int l, int n, int pos) {
         if (n == 1) nsplit = g->decode_split[c->layer_type[l]];
         else nsplit = split_for(g, sliding ? window + n - 1 : pos + n, rb, n);
         dim3 grid(rb, nkv, nsplit);
-#define FLASH(DD, WW) attention_flash<DD, WW><<<grid, WW * 32, 0, g->stream>>>(g->qkvg, L->NQ, n, gq, L->nh, \
-        (const bf16 *)L->kc, (const bf16 *)L->vc, L->rows, c->kv_dim, pos_ptr, window, nsplit, g->part_o, g->part_ml, scale_log2)
+#define FLASH(DD, WW) attention_flash<DD, WW><<<grid, WW * 32, flash_smem_bytes(DD), g->stream>>>(g->qkvg, L->NQ, n, gq, L->nh, \
+        (const bf16 *)L->kc, (const bf16 *)L->vc, L->rows, c->kv_dim, pos_ptr, window, nsplit, g->part_o, g->part_ml, scale_log2, \
+        g->att, L->nh * D + 2 * c->kv_dim, c->gate_per_head)
         if (warps == 1) { switch (D) { case 16: FLASH(16, 1); break; case 32: FLASH(32, 1); break; case 64: FLASH(64, 1); break; default: FLASH(128, 1); } }
         else { switch (D) { case 16: FLASH(16, 4); break; case 32: FLASH(32, 4); break; case 64: FLASH(64, 4); break; default: FLASH(128, 4); } }
 #undef FLASH
+        LAUNCH_CHECK();
+        if (nsplit == 1) return;                    /* the flash kernel finished the rows */
     }
     LAUNCH_CHECK();
     attention_combine<<<n * L->nh, D < 32 ? 32 : D, 0, g->stream>>>(g->att, g->part_o, g->part_ml, nsplit, L->nh, D,
@@ -1337,6 +1605,15 @@ static void mlp_decode(GpuModel *g, int l) {
     LAUNCH_CHECK();
 }
 
+/* the shared expert of n tokens: plain GEMMs over all tokens */
+static void moe_shared_many(GpuModel *g, GpuLayer *L, int n) {
+    int H = g->c.dim, S = L->hid;
+    gemm(g, g->mlp_h, 2 * S, L->gate_up, 2 * S, H, g->xb, n, 0.0f);
+    swiglu_kernel<float><<<grid_for((size_t)n * S, 256), 256, 0, g->stream>>>(g->mlp_act, g->mlp_h, n, S);
+    LAUNCH_CHECK();
+    gemm(g, g->ys, H, L->down, H, S, g->mlp_act, n, 0.0f);
+}
+
 /* the MoE of n > 1 tokens, grouped by expert */
 template <typename W>
 static void moe_many(GpuModel *g, int l, int n) {
@@ -1344,8 +1621,16 @@ static void moe_many(GpuModel *g, int l, int n) {
     GpuLayer *L = &g->L[l];
     int H = c->dim, I = c->moe_hidden_dim, S = L->hid, E = c->n_experts, K = c->n_experts_active, P = n * K;
     gemm(g, g->router_logits, E, L->router, E, H, g->xb, n, 0.0f);
-    route_plan<<<1, 1024, 2 * E * sizeof(int), g->stream>>>(g->router_logits, L->expert_bias, n, E, K, c->router_softcap,
-        g->topk_idx, g->topk_w, g->start, g->pair_tok, g->pair_w, g->inv, g->active, g->n_active);
+    /* route and sort the pairs by expert (multi-block; see route_many_topk) */
+    int nblk = (n + ROUTE_TOK - 1) / ROUTE_TOK, bm = moe_bm(P, E);
+    route_many_topk<<<nblk, 256, E * sizeof(int), g->stream>>>(g->router_logits, L->expert_bias, n, E, K,
+        c->router_softcap, g->topk_idx, g->topk_w, g->blk_cnt);
+    LAUNCH_CHECK();
+    route_many_scan<<<1, (E + 31) / 32 * 32, 0, g->stream>>>(g->blk_cnt, nblk, E, bm, g->start, g->active, g->n_active,
+        g->tile_start);
+    LAUNCH_CHECK();
+    route_many_scatter<<<nblk, 32, E * sizeof(int), g->stream>>>(g->topk_idx, g->topk_w, n, E, K, g->blk_cnt,
+        g->pair_tok, g->pair_w, g->inv);
     LAUNCH_CHECK();
     int max_active = P < E ? P : E;
     if (P <= 512) {
@@ -1356,8 +1641,18 @@ static void moe_many(GpuModel *g, int l, int n) {
         moe_down<W><<<max_active * ((H + 7) / 8) + (H + 7) / 8, 256, 0, g->stream>>>((const W *)L->experts_down, I,
             (const W *)L->down, S, H, n, g->start, g->active, g->n_active, max_active, g->h_pair, g->hs, g->y_pair, g->ys);
         LAUNCH_CHECK();
+    } else if (g->bf) {
+        /* many tokens (prefill), bf16: the pairs' inputs gathered in expert order, then one tensor-core grouped
+         * GEMM per projection (SwiGLU fused into gate_up); the tile map comes from route_many_scan, no host sync */
+        gather_rows<bf16><<<P, 256, 0, g->stream>>>((bf16 *)g->x_sorted, g->xb, g->pair_tok, H);
+        LAUNCH_CHECK();
+        moe_gemm_launch<true>(bm, (const bf16 *)g->x_sorted, (const bf16 *)L->experts_gate_up, I, H, g->start,
+                              g->tile_start, E, P, g->act_sorted, g->stream);
+        moe_gemm_launch<false>(bm, (const bf16 *)g->act_sorted, (const bf16 *)L->experts_down, H, I, g->start,
+                               g->tile_start, E, P, g->y_pair, g->stream);
+        moe_shared_many(g, L, n);
     } else {
-        /* many tokens (prefill): one batched cuBLAS GEMM over the active experts for gate/up and one for down,
+        /* many tokens (prefill), f32 files: one batched cuBLAS GEMM over the active experts for gate/up and one for down,
          * each expert's token count padded to the largest (cuBLAS' grouped GEMM does not take bf16 -> f32 here).
          * The counts come to the host: one small copy and a sync per layer. Padding rows read neighbouring
          * experts' inputs and write padding outputs that nothing reads. */
@@ -1424,11 +1719,7 @@ static void moe_many(GpuModel *g, int l, int n) {
                                           CUDA_R_32F, H, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
             }
         }
-        /* the shared expert: plain GEMMs over all tokens */
-        gemm(g, g->mlp_h, 2 * S, L->gate_up, 2 * S, H, g->xb, n, 0.0f);
-        swiglu_kernel<float><<<grid_for((size_t)n * S, 256), 256, 0, g->stream>>>(g->mlp_act, g->mlp_h, n, S);
-        LAUNCH_CHECK();
-        gemm(g, g->ys, H, L->down, H, S, g->mlp_act, n, 0.0f);
+        moe_shared_many(g, L, n);
     }
     moe_combine<<<n, 256, 0, g->stream>>>(g->x, g->y_pair, g->ys, g->inv, g->topk_idx, g->topk_w, K, H, c->routed_scaling);
     LAUNCH_CHECK();
