@@ -44,22 +44,26 @@ def test_gpu_bf16_fidelity_vs_official(laguna_gpu, tmp_path):
     cfg.pop("model_type"), cfg.pop("architectures")
     torch.manual_seed(0)
     with torch.device("cuda"):                  # 2.4B random parameters: initialise them on the GPU
-        model = transformers.LagunaForCausalLM(transformers.LagunaConfig(**cfg)).to(torch.bfloat16)
+        model = transformers.LagunaForCausalLM(transformers.LagunaConfig(**cfg))
     big = "/dev/shm" if os.path.isdir("/dev/shm") else str(tmp_path)
     hf = os.path.join(big, "laguna_fidelity_hf")
     mid = os.path.join(big, "laguna_fidelity.bin")
-    model.save_pretrained(hf)
+    # a bf16 checkpoint, like the real one. Both transformers runs load it back with from_pretrained, as users do:
+    # model.to(bfloat16) would also round the rotary inv_freq buffers, which from_pretrained computes afresh
+    model.to(torch.bfloat16).save_pretrained(hf)
+    del model
     try:
         run([sys.executable, os.path.join(ROOT, "export.py"), "-q", hf, mid])
         ids = np.random.default_rng(0).integers(3, cfg["vocab_size"], size=N_TOKENS)
         x = torch.tensor(ids, device="cuda")[None]
-
+        load = transformers.LagunaForCausalLM.from_pretrained
         with torch.no_grad():
+            model = load(hf, dtype=torch.bfloat16).cuda()
             official = model(x).logits[0].float().cpu().numpy()
-            model = model.float()
-            model.config._attn_implementation = "eager"
+            del model
+            model = load(hf, dtype=torch.float32, attn_implementation="eager").cuda()
             ref = model(x).logits[0].float().cpu().numpy()
-        del model
+            del model
         torch.cuda.empty_cache()
 
         ids_file = tmp_path / "ids.txt"

@@ -172,7 +172,7 @@ def main():
         L = teacher_forced_lengths(target, drafter, embed, lm_head, torch.tensor(prompt.tolist() + out),
                                    prompt.numel())
         Ls.append(L)
-        chain = dflash_metric.chain(L, len(out))
+        chain = dflash_metric.chain(L, len(out), drafter.block)
         res["per_prompt"].append({"prompt": i, "prompt_tokens": prompt.numel(), "steps": steps, "accepted": acc,
                                   "tau": 1 + acc / max(1, steps), "same_as_plain_greedy": plain == out,
                                   "chain_steps": chain[0], "chain_accepted": chain[1],
@@ -182,6 +182,8 @@ def main():
               f" | uniform anchors {L.float().mean():.2f} | output = plain greedy: {plain == out}  "
               f"({time.time() - t0:.0f} s)", flush=True)
     S = max(1, tot_steps)
+    if not Ls:
+        Ls = [torch.zeros(0)]
     cs = sum(r["chain_steps"] for r in res["per_prompt"])
     ca = sum(r["chain_accepted"] for r in res["per_prompt"])
     allL = torch.cat(Ls).float()
@@ -205,7 +207,7 @@ def main():
             seq = torch.cat([prompt, cont])
             L = teacher_forced_lengths(target, drafter, embed, lm_head, seq, 1)
             Lc = L[31:]                                   # anchors in the continuation only
-            ch = dflash_metric.chain(Lc, Lc.numel() + 1)
+            ch = dflash_metric.chain(Lc, Lc.numel() + 1, drafter.block)
             syn.append({"uniform_all": L.float().mean().item(), "uniform_cont": Lc.float().mean().item(),
                         "chain_steps": ch[0], "chain_accepted": ch[1]})
         res["synthetic"] = {

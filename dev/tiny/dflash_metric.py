@@ -49,17 +49,20 @@ def block_lengths(drafter, ctx, seq, pred, anchors, embed, lm_head, amp=None, ch
 def chain(L, n, block=16):
     """Walk the speculative loop over one greedy output of n tokens whose first token (the first bonus) is
     index 0 of L (L[i] for the block drafted at output index i). Mirrors laguna.c generate_dflash: a block never
-    drafts past n. Returns (verify steps, accepted drafts)."""
+    drafts past n. Returns (verify steps, accepted drafts, accepted_at) where accepted_at[j] counts the steps
+    whose draft slot j+1 was accepted (laguna's "acceptance per block position" times steps)."""
     L = L.tolist() if torch.is_tensor(L) else list(L)
-    committed, i, steps, accepted = 1, 0, 0, 0
+    committed, i, steps, accepted, at = 1, 0, 0, 0, [0] * (block - 1)
     while committed < n:
         nblk = min(block, n - committed + 1)
         acc = min(L[i] - 1, nblk - 1)
         steps += 1
         accepted += acc
+        for j in range(acc):
+            at[j] += 1
         committed += acc
         if committed >= n:
             break
         i += acc + 1
         committed += 1                       # the target's token after the accepted drafts: the next bonus
-    return steps, accepted
+    return steps, accepted, at
