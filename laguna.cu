@@ -67,6 +67,22 @@ __device__ float block_sum(float v) {
     return s;
 }
 
+/* Programmatic dependent launch (sm_90). The decode kernels are launched with it (see launch() below): a kernel
+ * may then start while the previous one in the stream is still running, and must call griddep_wait() before it
+ * reads or writes anything an earlier kernel touches (weights it may load before: they never change). Once all of
+ * a kernel's blocks have waited they call griddep_launch(), which lets the next kernel start its blocks and its
+ * weight loads early. Without the launch attribute both are no-ops. */
+__device__ __forceinline__ void griddep_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void griddep_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
 __device__ __forceinline__ float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
@@ -135,6 +151,8 @@ __global__ void embed_kernel(float *x, const W *embed, const int *tokens, int H)
 
 /* out[t] = w * (x[t] / sqrt(mean(x[t]^2) + eps)); one block per row */
 __global__ void rmsnorm_kernel(float *out, const float *x, int ldx, const float *w, int H, float eps) {
+    griddep_wait();
+    griddep_launch();
     int t = blockIdx.x;
     const float *xt = x + (size_t)t * ldx;
     float ss = 0.0f;
@@ -145,62 +163,73 @@ __global__ void rmsnorm_kernel(float *out, const float *x, int ldx, const float 
 }
 
 /* Decode matvec: out[r] (+)= W[r, :] . norm(x) + bias[r], for one token.
- * x is staged once per block in shared memory (RMSNorm applied there when norm_w is given, and block 0 writes
- * the normed x to xb_out for later steps); each warp owns R rows and streams them with 16-byte loads, 4 chunks
- * of every row in flight. R = 4 for tall matrices (fewer blocks re-reading x), 1 for wide ones (more warps). */
-template <typename W, int R>
-__global__ void __launch_bounds__(256) matvec_kernel(float *out, const W *w, int rows, int in, const float *x,
-                                                     const float *norm_w, float eps, float *xb_out,
-                                                     const float *bias, int accumulate) {
-    extern __shared__ float xs[];
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < in; i += blockDim.x) { float v = x[i]; xs[i] = v; ss += v * v; }
+ * A block of 256 threads owns ROWS whole rows; thread t owns the 8-column chunks t, t + 256, ... (NCH of them), the
+ * same columns in every row. So its slice of x lives in registers (no shared-memory staging of x before the first
+ * weight load), the RMSNorm's sum of squares is one block reduction, and the row sums are one reduction at the
+ * end. Each thread's ROWS * NCH = 8 weight chunks (16-byte streaming loads) are issued first, before the wait on the
+ * previous kernel (programmatic dependent launch), so a block's weights are in flight while x is still being
+ * written. Block 0 writes the normed x to xb_out for later steps. */
+template <typename W, int ROWS, int NCH>
+__device__ __forceinline__ void matvec_rows(float *out, const W *w, int rows, int in, const float *x,
+                                            const float *norm_w, float eps, float *xb_out, const float *bias,
+                                            int accumulate) {
+    __shared__ float red[8][ROWS];
+    const int tid = threadIdx.x, r0 = blockIdx.x * ROWS, C = in / 8;
+    W8 c[ROWS][NCH];                                /* the weights: loaded before anything else */
+#pragma unroll
+    for (int j = 0; j < ROWS; j++) {
+        const W *wr = w + (size_t)min(r0 + j, rows - 1) * in;
+#pragma unroll
+        for (int u = 0; u < NCH; u++)
+            if (tid + u * 256 < C) c[j][u] = load_w8(wr + (tid + u * 256) * 8);
+    }
+    griddep_wait();                                 /* x is the previous kernel's output */
+    griddep_launch();
+    float xv[NCH][8], ss = 0.0f;
+#pragma unroll
+    for (int u = 0; u < NCH; u++) {
+        int k = (tid + u * 256) * 8;
+        if (k < in) load_x8(x + k, xv[u]);
+        else for (int i = 0; i < 8; i++) xv[u][i] = 0.0f;
+        ss += dot8(xv[u], xv[u]);
+    }
     if (norm_w) {
         float inv = 1.0f / sqrtf(block_sum(ss) / in + eps);
-        for (int i = threadIdx.x; i < in; i += blockDim.x) {
-            xs[i] = norm_w[i] * (xs[i] * inv);
-            if (xb_out && blockIdx.x == 0) xb_out[i] = xs[i];
+#pragma unroll
+        for (int u = 0; u < NCH; u++) {
+            int k = (tid + u * 256) * 8;
+            if (k >= in) continue;
+            float nw[8];
+            load_x8(norm_w + k, nw);
+            for (int i = 0; i < 8; i++) xv[u][i] = nw[i] * (xv[u][i] * inv);
+            if (xb_out && blockIdx.x == 0) for (int i = 0; i < 8; i++) xb_out[k + i] = xv[u][i];
         }
+    }
+    const int warp = tid >> 5, lane = tid & 31;
+#pragma unroll
+    for (int j = 0; j < ROWS; j++) {
+        float acc = 0.0f;
+#pragma unroll
+        for (int u = 0; u < NCH; u++)
+            if (tid + u * 256 < C) { float wv[8]; unpack_w8(c[j][u], w, wv); acc += dot8(wv, xv[u]); }
+        acc = warp_sum(acc);
+        if (lane == 0) red[warp][j] = acc;
     }
     __syncthreads();
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int r0 = (blockIdx.x * (blockDim.x >> 5) + warp) * R;
-    if (r0 >= rows) return;
-    const W *wr[R];
-#pragma unroll
-    for (int j = 0; j < R; j++) wr[j] = w + (size_t)min(r0 + j, rows - 1) * in;
-    float acc[R] = {};
-    constexpr int U = 8 / R;                       /* 8 loads of 16 bytes in flight per lane */
-    int k = lane * 8;
-    for (; k + (U - 1) * 256 < in; k += U * 256) {
-        W8 c[U][R];
-#pragma unroll
-        for (int u = 0; u < U; u++)
-#pragma unroll
-            for (int j = 0; j < R; j++) c[u][j] = load_w8(wr[j] + k + u * 256);
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            float xv[8], wv[8];
-            load_x8(xs + k + u * 256, xv);
-#pragma unroll
-            for (int j = 0; j < R; j++) { unpack_w8(c[u][j], wr[j], wv); acc[j] += dot8(wv, xv); }
-        }
+    if (tid < ROWS && r0 + tid < rows) {
+        float s = 0.0f;
+        for (int i = 0; i < 8; i++) s += red[i][tid];
+        int r = r0 + tid;
+        if (bias) s += bias[r];
+        out[r] = accumulate ? out[r] + s : s;
     }
-    for (; k < in; k += 256) {
-        float xv[8], wv[8];
-        load_x8(xs + k, xv);
-#pragma unroll
-        for (int j = 0; j < R; j++) { W8 c = load_w8(wr[j] + k); unpack_w8(c, wr[j], wv); acc[j] += dot8(wv, xv); }
-    }
-#pragma unroll
-    for (int j = 0; j < R; j++) {
-        float s = warp_sum(acc[j]);
-        int r = r0 + j;
-        if (lane == 0 && r < rows) {
-            if (bias) s += bias[r];
-            out[r] = accumulate ? out[r] + s : s;
-        }
-    }
+}
+
+template <typename W, int ROWS, int NCH>
+__global__ void __launch_bounds__(256, NCH == 1 ? 3 : 2) matvec_kernel(float *out, const W *w, int rows, int in, const float *x,
+                                                     const float *norm_w, float eps, float *xb_out,
+                                                     const float *bias, int accumulate) {
+    matvec_rows<W, ROWS, NCH>(out, w, rows, in, x, norm_w, eps, xb_out, bias, accumulate);
 }
 
 __global__ void add_bias_kernel(float *y, const float *b, int n, int d) {
@@ -215,6 +244,8 @@ template <typename KV>
 __global__ void qk_norm_rope_kernel(float *qkvg, int NQ, int nh, int nkv, int D, const float *q_norm,
                                     const float *k_norm, const float *inv_freq, int rd, float scaling,
                                     KV *kc, KV *vc, int rows, const int *pos_ptr, float eps) {
+    griddep_wait();
+    griddep_launch();
     __shared__ float buf[4][256];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int t = blockIdx.x, vi = blockIdx.y * 4 + warp;
@@ -417,6 +448,8 @@ template <typename KV>
 __global__ void attention_scalar(const float *qkvg, int NQ, int n, int g, int nh, int D, const KV *kc,
                                  const KV *vc, int rows, int KVD, const int *pos_ptr, int window, float *part_o,
                                  float2 *part_ml, float scale_log2) {
+    griddep_wait();
+    griddep_launch();
     int t = blockIdx.x, hd = blockIdx.y, lane = threadIdx.x, kvh = hd / g;
     int p = *pos_ptr + t, lo = window ? max(0, p - window + 1) : 0;
     const float *q = qkvg + (size_t)t * NQ + (size_t)hd * D;
@@ -441,10 +474,162 @@ __global__ void attention_scalar(const float *qkvg, int NQ, int n, int g, int nh
     if (lane == 0) part_ml[idx] = make_float2(m, l);
 }
 
+/* Decode attention (one query token; bf16 or f32 cache; group g <= 8; any D of 16..128): grid (kv head, split),
+ * 8 warps per block, the splits' outputs merged and gated by the last block of each kv head (no second launch).
+ * K/V rows are read once for the whole GQA group: D / 8 lanes share a key, each lane 8 dims of it (one 16-byte
+ * load of bf16), so a warp covers 32 / (D / 8) keys per step; each such key group keeps its own online softmax
+ * (no cross-lane max per step) and the key groups, then the warps, then the splits are merged at the end. */
+__device__ __forceinline__ void load_kv8(const bf16 *p, float f[8]) { to_f32x8(*(const uint4 *)p, f); }
+__device__ __forceinline__ void load_kv8(const float *p, float f[8]) { load_x8(p, f); }
+
+/* merge the online-softmax state (m, l, o) of another part into this one */
+__device__ __forceinline__ void softmax_merge(float &m, float &l, float *o, int n, float om, float ol, const float *oo) {
+    float M = fmaxf(m, om);
+    float a = m == -INFINITY ? 0.0f : exp2f(m - M), b = om == -INFINITY ? 0.0f : exp2f(om - M);
+    l = l * a + ol * b;
+    for (int i = 0; i < n; i++) o[i] = o[i] * a + oo[i] * b;
+    m = M;
+}
+
+template <typename KV, int D>
+__global__ void __launch_bounds__(256, 2)
+attention_decode(const float *qkvg, int g, const KV *kc, const KV *vc, int rows, int KVD, const int *pos_ptr,
+                 int window, int nsplit, float *part_o, float2 *part_ml, int *counter, float *att, int gate_off,
+                 int gate_per_head, float scale_log2) {
+    constexpr int G = 8, LPK = D / 8, KPW = 32 / LPK, U = 2;   /* U steps of keys in flight per warp */
+    __shared__ __align__(16) float qs[G][D];
+    __shared__ __align__(16) float wo[8][G][D];
+    __shared__ float wm[8][G], wl[8][G], sw[64][G], sL[G];
+    __shared__ int last;
+    const int kvh = blockIdx.x, split = blockIdx.y, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int kg = lane / LPK, d0 = (lane % LPK) * 8;
+    griddep_wait();                                   /* q and the new K/V row come from qk_norm_rope */
+    griddep_launch();
+    const int pos = *pos_ptr, kmin = window ? max(0, pos - window + 1) : 0, keys = pos - kmin + 1;
+    const int per = max(64, ((keys + nsplit - 1) / nsplit + 63) / 64 * 64);
+    const int kb = kmin + split * per, ke = min(pos + 1, kb + per);
+    for (int i = tid; i < G * D; i += 256) {
+        int j = i / D, d = i % D;
+        qs[j][d] = j < g ? qkvg[(size_t)(kvh * g + j) * D + d] * scale_log2 : 0.0f;
+    }
+    __syncthreads();
+
+    float m[G], l[G], o[G][8];
+#pragma unroll
+    for (int j = 0; j < G; j++) { m[j] = -INFINITY; l[j] = 0.0f; for (int i = 0; i < 8; i++) o[j][i] = 0.0f; }
+    const size_t hoff = (size_t)kvh * D + d0;
+    for (int u0 = kb + warp * KPW * U; u0 < ke; u0 += 8 * KPW * U) {
+        float kf[U][8], vf[U][8];
+#pragma unroll
+        for (int s = 0; s < U; s++) {                 /* this lane's chunk of U keys, all loads first */
+            int u = u0 + s * KPW + kg;
+            if (u < ke) {
+                size_t off = (size_t)(u % rows) * KVD + hoff;
+                load_kv8(kc + off, kf[s]);
+                load_kv8(vc + off, vf[s]);
+            } else {
+                for (int i = 0; i < 8; i++) kf[s][i] = vf[s][i] = 0.0f;
+            }
+        }
+#pragma unroll
+        for (int s = 0; s < U; s++) {
+            bool valid = u0 + s * KPW + kg < ke;
+#pragma unroll
+            for (int j = 0; j < G; j++) {
+                if (j >= g) break;
+                float qv[8];
+                load_x8(&qs[j][d0], qv);
+                float sc = dot8(qv, kf[s]);
+#pragma unroll
+                for (int off = 1; off < LPK; off <<= 1) sc += __shfl_xor_sync(0xffffffffu, sc, off);
+                if (!valid) continue;
+                float mn = fmaxf(m[j], sc), corr = exp2f(m[j] - mn), p = exp2f(sc - mn);
+                l[j] = l[j] * corr + p;
+#pragma unroll
+                for (int i = 0; i < 8; i++) o[j][i] = o[j][i] * corr + p * vf[s][i];
+                m[j] = mn;
+            }
+        }
+    }
+    /* merge the warp's key groups (lanes LPK apart), then the warps through shared memory */
+#pragma unroll
+    for (int off = LPK; off < 32; off <<= 1)
+#pragma unroll
+        for (int j = 0; j < G; j++) {
+            if (j >= g) break;
+            float om = __shfl_xor_sync(0xffffffffu, m[j], off), ol = __shfl_xor_sync(0xffffffffu, l[j], off), oo[8];
+#pragma unroll
+            for (int i = 0; i < 8; i++) oo[i] = __shfl_xor_sync(0xffffffffu, o[j][i], off);
+            softmax_merge(m[j], l[j], o[j], 8, om, ol, oo);
+        }
+    if (kg == 0)
+#pragma unroll
+        for (int j = 0; j < G; j++) {
+            if (j >= g) break;
+#pragma unroll
+            for (int i = 0; i < 8; i++) wo[warp][j][d0 + i] = o[j][i];
+            if (lane == 0) { wm[warp][j] = m[j]; wl[warp][j] = l[j]; }
+        }
+    __syncthreads();
+    const size_t pbase = ((size_t)kvh * nsplit + split) * g;     /* this block's partials: [g][D] and [g] */
+    for (int i = tid; i < g * D; i += 256) {
+        int j = i / D, d = i % D;
+        float M = -INFINITY, L = 0.0f, acc = 0.0f;
+        for (int w = 0; w < 8; w++) M = fmaxf(M, wm[w][j]);
+        for (int w = 0; w < 8; w++) {
+            float s = wl[w][j] > 0.0f ? exp2f(wm[w][j] - M) : 0.0f;
+            L += wl[w][j] * s;
+            acc += wo[w][j][d] * s;
+        }
+        part_o[(pbase + j) * D + d] = acc;
+        if (d == 0) part_ml[pbase + j] = make_float2(M, L);
+    }
+    /* the last block of this kv head merges the nsplit partials and applies the gate */
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) last = atomicAdd(&counter[kvh], 1) == nsplit - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    if (warp < g) {                                   /* warp j: split weights of head j */
+        int j = warp;
+        float M = -INFINITY, L = 0.0f;
+        for (int s = lane; s < nsplit; s += 32) M = fmaxf(M, __ldcg(&part_ml[((size_t)kvh * nsplit + s) * g + j].x));
+        M = warp_max(M);
+        for (int s = lane; s < nsplit; s += 32) {
+            float2 ml = __ldcg(&part_ml[((size_t)kvh * nsplit + s) * g + j]);
+            float w = ml.y > 0.0f ? exp2f(ml.x - M) : 0.0f;
+            sw[s][j] = w;
+            L += ml.y * w;
+        }
+        L = warp_sum(L);
+        if (lane == 0) sL[j] = L;
+    }
+    __syncthreads();
+    for (int c = tid; c < g * D / 4; c += 256) {      /* 4 dims of one head per thread */
+        int j = c / (D / 4), d = (c % (D / 4)) * 4;
+        float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        for (int s = 0; s < nsplit; s++) {
+            float w = sw[s][j];
+            if (w == 0.0f) continue;
+            float4 v = __ldcg((const float4 *)&part_o[(((size_t)kvh * nsplit + s) * g + j) * D + d]);
+            acc.x += v.x * w; acc.y += v.y * w; acc.z += v.z * w; acc.w += v.w * w;
+        }
+        int hd = kvh * g + j;
+        const float *gate = qkvg + gate_off;
+        float a[4] = {acc.x, acc.y, acc.z, acc.w};
+        for (int i = 0; i < 4; i++)
+            att[(size_t)hd * D + d + i] = a[i] / sL[j] * softplus(gate[gate_per_head ? hd : hd * D + d + i]);
+    }
+    if (tid == 0) counter[kvh] = 0;
+}
+
 /* Merge the splits of each (token, head), then the softplus output gate (per head or per element).
  * The split weights go through shared memory; splits left empty by a short context are skipped. */
 __global__ void attention_combine(float *att, const float *part_o, const float2 *part_ml, int nsplit, int nh,
                                   int D, const float *qkvg, int NQ, int gate_off, int gate_per_head) {
+    griddep_wait();
+    griddep_launch();
     __shared__ float wsp[64];
     __shared__ float sh_L;
     int t = blockIdx.x / nh, hd = blockIdx.x % nh;
@@ -547,6 +732,62 @@ __global__ void route_plan(float *logits, const float *bias, int n, int E, int K
     }
 }
 
+/* Decode (one token): the router matvec and route_plan's work in one launch. Every block computes 2 logits (128
+ * blocks: 1 MB of router weights wants many SMs pulling); the last block to finish (a counter in device memory,
+ * reset by that block) picks the top-k (H <= 2048 * NCH). One thread per expert: its rank among score + bias (descending, ties to the
+ * lower id, the CPU's order) makes it slot `rank` when rank < K; the plan is then trivial (one token: K pairs, each
+ * expert once, sorted by id). The weights are renormalised in slot order, as in laguna.c. */
+template <typename W, int NCH>
+__global__ void __launch_bounds__(256) router_decode(float *logits, const W *w, int E, int H, const float *x,
+                                                     const float *norm_w, float eps, float *xb_out,
+                                                     const float *bias, int K, float softcap, int *topk_idx,
+                                                     float *topk_w, int *start, int *pair_tok, float *pair_w,
+                                                     int *inv, int *active, int *n_active, int *counter) {
+    matvec_rows<W, 2, NCH>(logits, w, E, H, x, norm_w, eps, xb_out, NULL, 0);
+    __shared__ int last;
+    __threadfence();                               /* this block's logits, visible before it is counted */
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(counter, 1) == (int)gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    __shared__ float score[1024], sel[1024];
+    __shared__ int slot_e[32];
+    __shared__ float slot_w[32];
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        float v = __ldcg(logits + e);              /* L2: written by other blocks */
+        if (softcap > 0.0f) v = tanhf(v / softcap) * softcap;
+        score[e] = 1.0f / (1.0f + expf(-v));
+        sel[e] = score[e] + bias[e];
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        float v = sel[e];
+        int rank = 0;
+        for (int j = 0; j < E; j++) rank += sel[j] > v || (sel[j] == v && j < e);
+        if (rank < K) { slot_e[rank] = e; slot_w[rank] = score[e]; }
+    }
+    __syncthreads();
+    if (threadIdx.x < K) {
+        int j = threadIdx.x, e = slot_e[j], k = 0;
+        float sum = 0.0f;
+        for (int i = 0; i < K; i++) { sum += slot_w[i]; k += slot_e[i] < e; }
+        float wj = slot_w[j] / sum;
+        topk_idx[j] = e;
+        topk_w[j] = wj;
+        inv[j] = k;                                /* pair k = this slot: the pairs sorted by expert id */
+        active[k] = e;
+        pair_tok[k] = 0;
+        pair_w[k] = wj;
+    }
+    for (int e = threadIdx.x; e <= E; e += blockDim.x) {
+        int s = 0;
+        for (int i = 0; i < K; i++) s += slot_e[i] < e;
+        start[e] = s;
+    }
+    if (threadIdx.x == 0) { *n_active = K; *counter = 0; }
+}
+
 /* SwiGLU gate/up for the active experts and the always-on matrix (shared expert, or the dense MLP):
  * h = silu(x . gate_i) * (x . up_i). One warp per hidden unit i, every token of that expert, so the expert's
  * rows are read once. Blocks [0, max_active * nbI) are routed experts, the rest the always-on matrix. */
@@ -555,6 +796,8 @@ __global__ void __launch_bounds__(256) moe_gate_up(const W *experts_gu, int I, c
                                                    const float *xb, int n, const int *start, const int *pair_tok,
                                                    const int *active, const int *n_active, int max_active,
                                                    float *h_pair, float *hs) {
+    griddep_wait();
+    griddep_launch();
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nbI = (I + 7) / 8;
     int b = blockIdx.x, hid, i, cnt, first = 0;
     const W *base;
@@ -671,6 +914,8 @@ __global__ void __launch_bounds__(256, 2) moe_down_decode(float *x, const W *exp
                                                        int S, int H, const int *active, const int *n_active,
                                                        const int *start, const float *pair_w, const float *h_pair,
                                                        const float *hs, float scaling) {
+    griddep_wait();
+    griddep_launch();
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, j = blockIdx.x * 8 + warp;
     if (j >= H) return;
     float routed = 0.0f;
@@ -775,6 +1020,8 @@ __global__ void swiglu_kernel(T *act, const float *h, size_t rows, int hid) {
 struct Step { int token, pos; float temperature, topp, coin; int out; };
 
 __global__ void __launch_bounds__(1024) sample_kernel(const float *logits, int V, Step *st) {
+    griddep_wait();
+    griddep_launch();
     __shared__ float red_v[32];
     __shared__ int red_i[32];
     __shared__ float hist[2048];
@@ -898,6 +1145,8 @@ struct GpuModel {
     int decode_split[2];     /* attention splits per layer type for one token (fixed: the graph is reused) */
     int kv_bf;               /* KV cache in bf16 (the weights' dtype; LAGUNA_KV_F32=1 forces f32, a debug hook) */
     int attn_scalar;         /* LAGUNA_ATTN_SCALAR=1: the plain attention kernel on bf16 KV (a debug hook) */
+    int pdl;                 /* programmatic dependent launch for the decode kernels (LAGUNA_NO_PDL=1: off) */
+    int pdl_now;             /* set while enqueueing a one-token forward */
     int nsm;
     char *wbuf;              /* all weights: one allocation */
     char *kvbuf;             /* all KV caches: one allocation */
@@ -912,6 +1161,7 @@ struct GpuModel {
     void *act16;             /* GEMM inputs in the weights' dtype */
     void *x_sorted, *act_sorted;
     int *tokens, *pos, *topk_idx, *start, *pair_tok, *inv, *active, *n_active;
+    int *counters;           /* last-block-done counters: [0] router_decode, [1 + kv head] attention_decode */
     size_t part_cap;         /* floats in part_o */
     void **gptr;             /* device pointer arrays for the grouped GEMMs [6 * E] */
     /* host side */
@@ -1096,6 +1346,7 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
     g->kv_bf = g->bf && !getenv("LAGUNA_KV_F32");
     g->attn_scalar = getenv("LAGUNA_ATTN_SCALAR") != NULL;
     g->use_graph = !getenv("LAGUNA_NO_GRAPH");    /* for the test that graph replay equals plain launches */
+    g->pdl = !getenv("LAGUNA_NO_PDL");
     int D = c->head_dim, H = c->dim, KVD = c->kv_dim, T = max_tokens, E = c->n_experts, K = c->n_experts_active;
     for (uint64_t i = 0; i < m->n_tensors; i++)
         if (m->dir[i].dtype != DT_F32 && m->dir[i].dtype != DT_BF16 && strcmp(m->dir[i].name, "tokenizer"))
@@ -1105,6 +1356,8 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
         GFAIL("head_dim %d is not supported by the GPU backend (16, 32, 64 or 128)\n  hint: use --cpu", D);
     if (H % 8 || (E && (c->moe_hidden_dim % 8 || c->shared_hidden_dim % 8)) || c->hidden_dim % 8)
         GFAIL("the GPU backend needs hidden sizes that are multiples of 8\n  hint: use --cpu");
+    if (H > 16384 || c->max_heads * D > 16384)
+        GFAIL("the GPU backend's decode matvec takes inputs of at most 16384\n  hint: use --cpu");
     if (E > 1024 || K > 32) GFAIL("the GPU backend handles at most 1024 experts and top-32\n  hint: use --cpu");
     for (int l = 0; l < c->n_layers; l++) {
         GpuLayer *L = &g->L[l];
@@ -1181,6 +1434,7 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
     ALLOC(g->tokens, T, int);
     ALLOC(g->pos, 1, int);
     ALLOC(g->d_step, 1, Step);
+    ALLOC(g->counters, 1 + c->n_kv_heads, int);
     if (E) {
         ALLOC(g->router_logits, (size_t)T * E, float);
         ALLOC(g->topk_idx, P, int);
@@ -1201,6 +1455,7 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
     }
 #undef ALLOC
     g->actbytes = act0;
+    CUDA_CHECK(cudaMemset(g->counters, 0, (1 + c->n_kv_heads) * sizeof(int)));   /* each user resets its own */
     CUDA_CHECK(cudaMallocHost(&g->h_tokens, T * sizeof(int)));
     CUDA_CHECK(cudaMallocHost(&g->h_logits, (size_t)T * c->vocab_size * sizeof(float)));
     CUDA_CHECK(cudaMallocHost(&g->h_step, sizeof(Step)));
@@ -1211,13 +1466,6 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
     /* attention splits for one token: sliding layers see at most W keys, full layers up to ctx */
     g->decode_split[ATTN_FULL] = split_for(g, ctx, 1, 1);
     g->decode_split[ATTN_SLIDING] = split_for(g, c->sliding_window, 1, 1);
-    size_t dyn = (size_t)(QD > hid ? (QD > H ? QD : H) : (hid > H ? hid : H)) * 4;
-    if (dyn > 48 * 1024) {
-        CUDA_CHECK(cudaFuncSetAttribute(matvec_kernel<bf16, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)dyn));
-        CUDA_CHECK(cudaFuncSetAttribute(matvec_kernel<bf16, 4>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)dyn));
-        CUDA_CHECK(cudaFuncSetAttribute(matvec_kernel<float, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)dyn));
-        CUDA_CHECK(cudaFuncSetAttribute(matvec_kernel<float, 4>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)dyn));
-    }
     if (g->use_graph) capture_decode(g);    /* captured once here; replayed at every position */
     CUDA_CHECK(cudaDeviceSynchronize());
     size_t fr, tot;
@@ -1236,7 +1484,7 @@ extern "C" void gpu_free(GpuModel *g) {
     if (g->graph) cudaGraphExecDestroy(g->graph);
     if (g->blas) cublasDestroy(g->blas);
     void *dev[] = {g->wbuf, g->kvbuf, g->x, g->xb, g->qkvg, g->att, g->mlp_h, g->mlp_act, g->act16, g->logits,
-                   g->part_o, g->part_ml, g->tokens, g->pos, g->d_step, g->router_logits, g->topk_idx, g->topk_w,
+                   g->part_o, g->part_ml, g->tokens, g->pos, g->d_step, g->counters, g->router_logits, g->topk_idx, g->topk_w,
                    g->pair_w, g->pair_tok, g->inv, g->start, g->active, g->n_active, g->h_pair, g->hs, g->y_pair,
                    g->ys, g->x_sorted, g->act_sorted, g->gptr};
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++) if (dev[i]) cudaFree(dev[i]);
@@ -1262,18 +1510,35 @@ static void gemm(GpuModel *g, float *y, int ldy, const void *W, int out, int in,
                               dtype_of(g), in, &beta, y, CUDA_R_32F, ldy, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
 }
 
+/* Launch on the model's stream; while a one-token forward is enqueued (pdl_now), with programmatic dependent
+ * launch, so each kernel's blocks start, and load their weights, while the previous kernel finishes (every
+ * kernel so launched calls griddep_wait() before touching what earlier kernels wrote). */
+template <typename... P, typename... A>
+static void launch(GpuModel *g, void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, A... args) {
+    cudaLaunchAttribute attr;
+    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr.val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = g->stream;
+    cfg.attrs = &attr;
+    cfg.numAttrs = g->pdl_now ? 1 : 0;
+    CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, ((P)args)...));
+}
+
+/* the decode matvec: 8 weight chunks per thread, spread over ROWS rows x NCH chunks per row (in <= 2048 * NCH) */
 template <typename W>
 static void matvec(GpuModel *g, float *out, const void *w, int rows, int in, const float *x, const float *norm_w,
                    float *xb_out, const float *bias, int accumulate) {
-    size_t smem = (size_t)in * 4;
-    if (rows >= 8192) {
-        matvec_kernel<W, 4><<<(rows + 31) / 32, 256, smem, g->stream>>>(out, (const W *)w, rows, in, x, norm_w,
-                                                                        g->c.norm_eps, xb_out, bias, accumulate);
-    } else {
-        matvec_kernel<W, 1><<<(rows + 7) / 8, 256, smem, g->stream>>>(out, (const W *)w, rows, in, x, norm_w,
-                                                                      g->c.norm_eps, xb_out, bias, accumulate);
-    }
-    LAUNCH_CHECK();
+#define MV(R, N) launch(g, matvec_kernel<W, R, N>, dim3((rows + R - 1) / R), dim3(256), 0, out, (const W *)w, rows, in, \
+                        x, norm_w, g->c.norm_eps, xb_out, bias, accumulate)
+    if (in <= 2048) MV(8, 1);
+    else if (in <= 4096) MV(4, 2);
+    else if (in <= 8192) MV(2, 4);
+    else MV(1, 8);
+#undef MV
 }
 
 static void attention(GpuModel *g, int l, int n, int pos) {
@@ -1284,6 +1549,19 @@ static void attention(GpuModel *g, int l, int n, int pos) {
     float scale_log2 = 1.4426950408889634f / sqrtf((float)D);
     const int *pos_ptr = g->pos;
     int nsplit = 1;
+    if (n == 1 && gq <= 8 && !g->attn_scalar) {
+        /* one token: split-K over the keys, merged and gated in the same launch */
+        nsplit = g->decode_split[c->layer_type[l]];
+        int gate_off = L->nh * D + 2 * c->kv_dim;
+#define DEC(KV, DD) launch(g, attention_decode<KV, DD>, dim3(nkv, nsplit), dim3(256), 0, (const float *)g->qkvg, gq, \
+        (const KV *)L->kc, (const KV *)L->vc, L->rows, c->kv_dim, pos_ptr, window, nsplit, g->part_o, g->part_ml, \
+        g->counters + 1, g->att, gate_off, c->gate_per_head, scale_log2)
+#define DEC_D(KV) switch (D) { case 16: DEC(KV, 16); break; case 32: DEC(KV, 32); break; case 64: DEC(KV, 64); break; default: DEC(KV, 128); }
+        if (g->kv_bf) DEC_D(bf16) else DEC_D(float)
+#undef DEC_D
+#undef DEC
+        return;
+    }
     if (!g->kv_bf) {
         attention_scalar<float><<<dim3(n, L->nh), 32, 0, g->stream>>>(g->qkvg, L->NQ, n, gq, L->nh, D,
             (const float *)L->kc, (const float *)L->vc, L->rows, c->kv_dim, pos_ptr, window, g->part_o, g->part_ml, scale_log2);
@@ -1313,28 +1591,32 @@ static void mlp_decode(GpuModel *g, int l) {
     GpuLayer *L = &g->L[l];
     int H = c->dim, I = c->moe_hidden_dim, K = c->n_experts_active;
     if (L->dense) {
-        rmsnorm_kernel<<<1, 256, 0, g->stream>>>(g->xb, g->x, H, L->ffn_norm, H, c->norm_eps);
-        LAUNCH_CHECK();
-        moe_gate_up<W><<<(L->hid + 7) / 8, 256, 0, g->stream>>>(NULL, 0, (const W *)L->gate_up, L->hid, H, g->xb, 1,
-            NULL, NULL, NULL, NULL, 0, NULL, g->mlp_act);
-        LAUNCH_CHECK();
-        moe_down_decode<W><<<(H + 7) / 8, 256, 0, g->stream>>>(g->x, NULL, 0, (const W *)L->down, L->hid, H, NULL, NULL,
-            NULL, NULL, NULL, g->mlp_act, 0.0f);
-        LAUNCH_CHECK();
+        launch(g, rmsnorm_kernel, dim3(1), dim3(256), 0, g->xb, (const float *)g->x, H, (const float *)L->ffn_norm, H,
+               c->norm_eps);
+        launch(g, moe_gate_up<W>, dim3((L->hid + 7) / 8), dim3(256), 0, (const W *)NULL, 0, (const W *)L->gate_up,
+               L->hid, H, (const float *)g->xb, 1, NULL, NULL, NULL, NULL, 0, NULL, g->mlp_act);
+        launch(g, moe_down_decode<W>, dim3((H + 7) / 8), dim3(256), 0, g->x, (const W *)NULL, 0, (const W *)L->down,
+               L->hid, H, NULL, NULL, NULL, NULL, NULL, (const float *)g->mlp_act, 0.0f);
         return;
     }
-    /* route: router logits from the normed x (the norm is folded into the matvec, which also leaves xb) */
-    matvec<W>(g, g->router_logits, L->router, c->n_experts, H, g->x, L->ffn_norm, g->xb, NULL, 0);
-    route_plan<<<1, 256, 2 * c->n_experts * sizeof(int), g->stream>>>(g->router_logits, L->expert_bias, 1, c->n_experts,
-        K, c->router_softcap, g->topk_idx, g->topk_w, g->start, g->pair_tok, g->pair_w, g->inv, g->active, g->n_active);
-    LAUNCH_CHECK();
+    /* route: router logits from the normed x (the norm folded into the matvec, which also leaves xb) and the
+     * top-k plan, one launch */
+#define ROUTE(N) launch(g, router_decode<W, N>, dim3((c->n_experts + 1) / 2), dim3(256), 0, g->router_logits, \
+        (const W *)L->router, c->n_experts, H, (const float *)g->x, (const float *)L->ffn_norm, c->norm_eps, g->xb, \
+        (const float *)L->expert_bias, K, c->router_softcap, g->topk_idx, g->topk_w, g->start, g->pair_tok, \
+        g->pair_w, g->inv, g->active, g->n_active, g->counters)
+    if (H <= 2048) ROUTE(1);
+    else if (H <= 4096) ROUTE(2);
+    else if (H <= 8192) ROUTE(4);
+    else ROUTE(8);
+#undef ROUTE
     int nbI = (I + 7) / 8;
-    moe_gate_up<W><<<K * nbI + (L->hid + 7) / 8, 256, 0, g->stream>>>((const W *)L->experts_gate_up, I,
-        (const W *)L->gate_up, L->hid, H, g->xb, 1, g->start, g->pair_tok, g->active, g->n_active, K, g->h_pair, g->hs);
-    LAUNCH_CHECK();
-    moe_down_decode<W><<<(H + 7) / 8, 256, 0, g->stream>>>(g->x, (const W *)L->experts_down, I, (const W *)L->down,
-        L->hid, H, g->active, g->n_active, g->start, g->pair_w, g->h_pair, g->hs, c->routed_scaling);
-    LAUNCH_CHECK();
+    launch(g, moe_gate_up<W>, dim3(K * nbI + (L->hid + 7) / 8), dim3(256), 0, (const W *)L->experts_gate_up, I,
+           (const W *)L->gate_up, L->hid, H, (const float *)g->xb, 1, (const int *)g->start,
+           (const int *)g->pair_tok, (const int *)g->active, (const int *)g->n_active, K, g->h_pair, g->hs);
+    launch(g, moe_down_decode<W>, dim3((H + 7) / 8), dim3(256), 0, g->x, (const W *)L->experts_down, I,
+           (const W *)L->down, L->hid, H, (const int *)g->active, (const int *)g->n_active, (const int *)g->start,
+           (const float *)g->pair_w, (const float *)g->h_pair, (const float *)g->hs, c->routed_scaling);
 }
 
 /* the MoE of n > 1 tokens, grouped by expert */
@@ -1439,8 +1721,10 @@ template <typename W>
 static void forward_gpu(GpuModel *g, int n, int pos, int all_logits) {
     const Config *c = &g->c;
     int H = c->dim, D = c->head_dim, V = c->vocab_size;
+    g->pdl_now = 0;        /* the embedding follows the step's parameter copies: a plain launch */
     embed_kernel<W><<<n, 256, 0, g->stream>>>(g->x, (const W *)g->embed, g->tokens, H);
     LAUNCH_CHECK();
+    g->pdl_now = g->pdl && n == 1;
     for (int l = 0; l < c->n_layers; l++) {
         GpuLayer *L = &g->L[l];
         int type = c->layer_type[l], QD = L->nh * D;
@@ -1457,15 +1741,12 @@ static void forward_gpu(GpuModel *g, int n, int pos, int all_logits) {
             }
         }
         dim3 rg(n, (L->nh + 2 * c->n_kv_heads + 3) / 4);
-        if (g->kv_bf)
-            qk_norm_rope_kernel<bf16><<<rg, 128, 0, g->stream>>>(g->qkvg, L->NQ, L->nh, c->n_kv_heads, D, L->q_norm,
-                L->k_norm, g->inv_freq[type], c->rotary_dim[type], c->rope_scaling[type], (bf16 *)L->kc, (bf16 *)L->vc,
-                L->rows, g->pos, c->norm_eps);
-        else
-            qk_norm_rope_kernel<float><<<rg, 128, 0, g->stream>>>(g->qkvg, L->NQ, L->nh, c->n_kv_heads, D, L->q_norm,
-                L->k_norm, g->inv_freq[type], c->rotary_dim[type], c->rope_scaling[type], (float *)L->kc, (float *)L->vc,
-                L->rows, g->pos, c->norm_eps);
-        LAUNCH_CHECK();
+#define QKR(KV) launch(g, qk_norm_rope_kernel<KV>, rg, dim3(128), 0, g->qkvg, L->NQ, L->nh, c->n_kv_heads, D, \
+        (const float *)L->q_norm, (const float *)L->k_norm, (const float *)g->inv_freq[type], c->rotary_dim[type], \
+        c->rope_scaling[type], (KV *)L->kc, (KV *)L->vc, L->rows, (const int *)g->pos, c->norm_eps)
+        if (g->kv_bf) QKR(bf16);
+        else QKR(float);
+#undef QKR
         attention(g, l, n, pos);
         /* o_proj straight into the residual stream */
         if (n == 1) matvec<W>(g, g->x, L->wo, H, QD, g->att, NULL, NULL, L->bo, 1);
@@ -1488,10 +1769,13 @@ static void forward_gpu(GpuModel *g, int n, int pos, int all_logits) {
     }
     /* final norm and lm_head (every row, or the last) */
     int rows = all_logits ? n : 1, first = all_logits ? 0 : n - 1;
+    if (rows == 1) {   /* the final norm folded into the matvec */
+        matvec<W>(g, g->logits, g->lm_head, V, H, g->x + (size_t)first * H, g->final_norm, NULL, NULL, 0);
+        return;
+    }
     rmsnorm_kernel<<<rows, 256, 0, g->stream>>>(g->xb, g->x + (size_t)first * H, H, g->final_norm, H, c->norm_eps);
     LAUNCH_CHECK();
-    if (rows == 1) matvec<W>(g, g->logits, g->lm_head, V, H, g->xb, NULL, NULL, NULL, 0);
-    else gemm(g, g->logits, V, g->lm_head, V, H, g->xb, rows, 0.0f);
+    gemm(g, g->logits, V, g->lm_head, V, H, g->xb, rows, 0.0f);
 }
 
 static void forward_any(GpuModel *g, int n, int pos, int all_logits) {
@@ -1524,8 +1808,8 @@ static void enqueue_decode(GpuModel *g) {
     CUDA_CHECK(cudaMemcpyAsync(g->tokens, &g->d_step->token, sizeof(int), cudaMemcpyDeviceToDevice, g->stream));
     CUDA_CHECK(cudaMemcpyAsync(g->pos, &g->d_step->pos, sizeof(int), cudaMemcpyDeviceToDevice, g->stream));
     forward_any(g, 1, 0, 0);
-    sample_kernel<<<1, 1024, 0, g->stream>>>(g->logits, g->c.vocab_size, g->d_step);
-    LAUNCH_CHECK();
+    launch(g, sample_kernel, dim3(1), dim3(1024), 0, (const float *)g->logits, g->c.vocab_size, g->d_step);
+    g->pdl_now = 0;
     CUDA_CHECK(cudaMemcpyAsync(&g->h_step->out, &g->d_step->out, sizeof(int), cudaMemcpyDeviceToHost, g->stream));
 }
 

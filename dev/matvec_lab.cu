@@ -5,14 +5,44 @@
  * weights rotated across copies (several times the 60 MB L2), reported in GB/s against the measured
  * device-to-device copy bandwidth:
  *   A  cuBLAS GemmEx with n = 1 (bf16 x bf16 -> f32; x rounded to bf16)
- *   B  laguna.cu matvec_kernel<bf16, 1>: a warp per row, 4 x 16-byte loads in flight per lane
- *   C  laguna.cu matvec_kernel<bf16, 4>: a warp per 4 rows (fewer blocks re-reading x)
+ *   B  the previous laguna.cu kernel (kept here): a warp per row, x staged in shared memory, 8 loads in flight
+ *   C  laguna.cu matvec_kernel: a block owns whole rows, each thread the same 8-column chunks of them (x in
+ *      registers, the weight loads issued before anything else)
  * and the MoE decode pair of laguna.cu (8 routed experts + shared expert: gate/up in one launch, down + weighted
  * sum in one launch) against one cuBLAS GEMM per expert matrix. Only the winners live in laguna.cu. */
 #include "../laguna.cu"
 
 #include <algorithm>
 #include <vector>
+
+/* B: the warp-per-row kernel laguna.cu used until 2026-12 (R = 1), for comparison */
+__global__ void __launch_bounds__(256) matvec_warp_row(float *out, const bf16 *w, int rows, int in, const float *x) {
+    extern __shared__ float xs[];
+    for (int i = threadIdx.x; i < in; i += blockDim.x) xs[i] = x[i];
+    __syncthreads();
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, r = blockIdx.x * 8 + warp;
+    if (r >= rows) return;
+    const bf16 *wr = w + (size_t)r * in;
+    float acc = 0.0f;
+    int k = lane * 8;
+    for (; k + 7 * 256 < in; k += 8 * 256) {
+        W8 c[8];
+#pragma unroll
+        for (int u = 0; u < 8; u++) c[u] = load_w8(wr + k + u * 256);
+#pragma unroll
+        for (int u = 0; u < 8; u++) { float xv[8], wv[8]; load_x8(xs + k + u * 256, xv); unpack_w8(c[u], wr, wv); acc += dot8(wv, xv); }
+    }
+    for (; k < in; k += 256) { float xv[8], wv[8]; load_x8(xs + k, xv); W8 c = load_w8(wr + k); unpack_w8(c, wr, wv); acc += dot8(wv, xv); }
+    acc = warp_sum(acc);
+    if (lane == 0) out[r] = acc;
+}
+
+/* C: laguna.cu's decode matvec with the ROWS / NCH choice of its host launcher */
+static void matvec_new(float *y, const bf16 *w, int rows, int in, const float *x) {
+#define MVL(R, N) matvec_kernel<bf16, R, N><<<(rows + R - 1) / R, 256>>>(y, w, rows, in, x, NULL, 0.0f, NULL, NULL, 0)
+    if (in <= 2048) MVL(8, 1); else if (in <= 4096) MVL(4, 2); else if (in <= 8192) MVL(2, 4); else MVL(1, 8);
+#undef MVL
+}
 
 static float bf(uint16_t b) { uint32_t u = (uint32_t)b << 16; float f; memcpy(&f, &u, 4); return f; }
 
@@ -45,7 +75,9 @@ int main() {
     double copy_bw = 2.0 * cb / (tm.stop_us(10) * 1e-6);
     CUDA_CHECK(cudaFree(c0)); CUDA_CHECK(cudaFree(c1));
     printf("device-to-device copy: %.2f TB/s (read + write)\n\n", copy_bw / 1e12);
-    printf("| matvec | rows x in | MB | A cuBLAS us | GB/s | B warp/row us | GB/s | C warp/4 rows us | GB/s | max rel err A/B/C |\n");
+    /* the warp-per-row kernel stages up to 8192 floats of x */
+    CUDA_CHECK(cudaFuncSetAttribute(matvec_warp_row, cudaFuncAttributeMaxDynamicSharedMemorySize, 8192 * 4));
+    printf("| matvec | rows x in | MB | A cuBLAS us | GB/s | B warp/row us | GB/s | C block rows us | GB/s | max rel err A/B/C |\n");
     printf("|---|---|---|---|---|---|---|---|---|---|\n");
     struct { const char *name; int rows, in; } shapes[] = {
         {"q/k/v/g fused (sliding)", 10304, 2048}, {"q/k/v/g fused (full)", 8240, 2048}, {"o_proj (sliding)", 2048, 8192},
@@ -71,8 +103,8 @@ int main() {
                 const bf16 *w = dw + (size_t)c * n;
                 const float one = 1, zero = 0;
                 if (v == 0) CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, s.rows, 1, s.in, &one, w, CUDA_R_16BF, s.in, dx16, CUDA_R_16BF, s.in, &zero, dy, CUDA_R_32F, s.rows, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-                else if (v == 1) matvec_kernel<bf16, 1><<<(s.rows + 7) / 8, 256, s.in * 4>>>(dy, w, s.rows, s.in, dx, NULL, 0, NULL, NULL, 0);
-                else matvec_kernel<bf16, 4><<<(s.rows + 31) / 32, 256, s.in * 4>>>(dy, w, s.rows, s.in, dx, NULL, 0, NULL, NULL, 0);
+                else if (v == 1) matvec_warp_row<<<(s.rows + 7) / 8, 256, s.in * 4>>>(dy, w, s.rows, s.in, dx);
+                else matvec_new(dy, w, s.rows, s.in, dx);
                 LAUNCH_CHECK();
             };
             CUDA_CHECK(cudaMemset(dy, 0xff, s.rows * 4));   /* poison: every row must be written */
