@@ -232,6 +232,58 @@ __global__ void __launch_bounds__(256, NCH == 1 ? 3 : 2) matvec_kernel(float *ou
     matvec_rows<W, ROWS, NCH>(out, w, rows, in, x, norm_w, eps, xb_out, bias, accumulate);
 }
 
+/* Decode matvec for tall matrices with in <= 256 * NCH inputs (q/k/v/g, dense gate+up, lm_head): a warp per row,
+ * RPW consecutive rows per warp. Each lane's NCH 16-byte loads of its first row are issued before the wait on the
+ * previous kernel, the next row's before the current one is summed. x (normed when norm_w is given: the block's
+ * sum of squares) is staged once per block in shared memory: RPW > 1 spreads that L2 read over more rows. */
+template <typename W, int NCH, int RPW>
+__global__ void __launch_bounds__(256) matvec_warp(float *out, const W *w, int rows, int in, const float *x,
+                                                   const float *norm_w, float eps, float *xb_out, const float *bias,
+                                                   int accumulate) {
+    __shared__ __align__(16) float xs[256 * NCH];
+    const int tid = threadIdx.x, lane = tid & 31, r0 = (blockIdx.x * 8 + (tid >> 5)) * RPW;
+    W8 c[2][NCH];
+#pragma unroll
+    for (int u = 0; u < NCH; u++)
+        if ((lane + 32 * u) * 8 < in) c[0][u] = load_w8(w + (size_t)min(r0, rows - 1) * in + (lane + 32 * u) * 8);
+    griddep_wait();                                 /* x is the previous kernel's output */
+    griddep_launch();
+    float ss = 0.0f;
+    for (int k = tid * 4; k < in; k += 1024) {
+        float4 v = *(const float4 *)(x + k);
+        ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+        *(float4 *)(xs + k) = v;
+    }
+    if (norm_w) {                                   /* each thread rescales the elements it staged */
+        float inv = 1.0f / sqrtf(block_sum(ss) / in + eps);
+        for (int k = tid; k < in; k += 256) {
+            xs[k] = norm_w[k] * (xs[k] * inv);
+            if (xb_out && blockIdx.x == 0) xb_out[k] = xs[k];
+        }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < RPW; j++) {
+        if (j + 1 < RPW)
+#pragma unroll
+            for (int u = 0; u < NCH; u++)
+                if ((lane + 32 * u) * 8 < in)
+                    c[(j + 1) & 1][u] = load_w8(w + (size_t)min(r0 + j + 1, rows - 1) * in + (lane + 32 * u) * 8);
+        float acc = 0.0f;
+#pragma unroll
+        for (int u = 0; u < NCH; u++) {
+            int k = (lane + 32 * u) * 8;
+            if (k < in) { float wv[8], xv[8]; unpack_w8(c[j & 1][u], w, wv); load_x8(xs + k, xv); acc += dot8(wv, xv); }
+        }
+        acc = warp_sum(acc);
+        int r = r0 + j;
+        if (lane == 0 && r < rows) {
+            if (bias) acc += bias[r];
+            out[r] = accumulate ? out[r] + acc : acc;
+        }
+    }
+}
+
 __global__ void add_bias_kernel(float *y, const float *b, int n, int d) {
     size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
     if (i < (size_t)n * d) y[i] += b[i % d];
@@ -624,6 +676,231 @@ attention_decode(const float *qkvg, int g, const KV *kc, const KV *vc, int rows,
     if (tid == 0) counter[kvh] = 0;
 }
 
+/* Decode attention with the q/k RMSNorm, RoPE and K/V append folded in (one query token; bf16 or f32 cache; g <= 8;
+ * D 16..128): grid (kv head, split), 256 threads; a split is a run of tiles of KT = 4096 / D keys (32 at D = 128).
+ * Per tile each thread holds 2 chunks (8 dims each) of K and 2 of V in registers: K as 2 neighbouring chunks of one
+ * key (CH / 2 lanes per key, so a score is a 3-step shuffle at D = 128), V as the same dim chunk of 2 keys.
+ * - The first tile's cache rows are loaded before the wait on the q/k/v/g matvec: only the new key's row is
+ *   written this step, and it comes from shared memory instead (pos itself is written before the step's kernels).
+ * - After the wait each block norms and ropes its group's q heads and the new k (v as is) into shared memory; the
+ *   block that owns the new key writes it to the cache (rounded to the cache type, as used here).
+ * - Per tile: scores to shared memory; per head the running max and sum (fixed shuffle trees); then p . V into
+ *   per-thread accumulators. The next tile's loads are issued before the current one is computed.
+ * - The last block of each kv head merges the splits in split order (deterministic) and applies the gate. */
+struct KV8 { uint4 a, b; };
+__device__ __forceinline__ KV8 kv_raw(const bf16 *p) { KV8 r; r.a = ld_stream(p); r.b = make_uint4(0, 0, 0, 0); return r; }
+__device__ __forceinline__ KV8 kv_raw(const float *p) { KV8 r; r.a = ld_stream(p); r.b = ld_stream(p + 4); return r; }
+__device__ __forceinline__ void kv_unpack(const KV8 &r, const bf16 *, float f[8]) { to_f32x8(r.a, f); }
+__device__ __forceinline__ void kv_unpack(const KV8 &r, const float *, float f[8]) { memcpy(f, &r.a, 16); memcpy(f + 4, &r.b, 16); }
+
+/* this thread's K chunks (2 of key t0 + tid / KL) and V chunks (chunk tid % CH of keys t0 + tid / CH, + KT / 2);
+ * keys past ke and the new key (pos) are zeros */
+template <typename KV, int D>
+__device__ __forceinline__ void kv_tile_load(const KV *kc, const KV *vc, int rows, int KVD, int kvh, int t0, int ke,
+                                             int pos, KV8 kr[2], KV8 vr[2]) {
+    constexpr int CH = D / 8, KT = 512 / CH, KL = CH / 2;
+    const int tid = threadIdx.x, uk = t0 + tid / KL;
+    const KV8 z = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        kr[i] = uk < ke && uk != pos ? kv_raw(kc + (size_t)(uk % rows) * KVD + kvh * D + (2 * (tid % KL) + i) * 8) : z;
+        int uv = t0 + tid / CH + i * (KT / 2);
+        vr[i] = uv < ke && uv != pos ? kv_raw(vc + (size_t)(uv % rows) * KVD + kvh * D + (tid % CH) * 8) : z;
+    }
+}
+
+template <typename KV, int D>
+__global__ void __launch_bounds__(256)
+attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc, int rows, int KVD,
+                       const int *pos_ptr, int window, int nsplit, const float *q_norm, const float *k_norm,
+                       const float *inv_freq, int rd, float rscale, float eps, float *part_o, float2 *part_ml,
+                       int *counter, float *att, int gate_off, int gate_per_head, float scale_log2) {
+    constexpr int G = 8, CH = D / 8, KT = 512 / CH, KL = CH / 2;
+    __shared__ __align__(16) float qs[G][D];            /* q, normed, roped, times scale * log2(e) */
+    __shared__ __align__(16) float kn[D], vn[D];        /* the new key and value, as the cache holds them */
+    __shared__ float cs[D / 2], sn[D / 2], hm[G], hl[G], hc[G], sw[128][G], sL[G];
+    __shared__ __align__(16) union { float raw[G + 2][D]; float sc[G][KT]; float wo[8][G][D]; } sm;
+    __shared__ int last;
+    const int kvh = blockIdx.x, split = blockIdx.y, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int pos = *pos_ptr, kmin = window ? max(0, pos - window + 1) : 0, keys = pos - kmin + 1;
+    const int per = ((keys + nsplit - 1) / nsplit + KT - 1) / KT * KT, nact = (keys + per - 1) / per;
+    const int kb = kmin + split * per, ke = min(pos + 1, kb + per);
+    KV8 kr[2], vr[2];
+    kv_tile_load<KV, D>(kc, vc, rows, KVD, kvh, kb, ke, pos, kr, vr);    /* before the wait: older rows only */
+    griddep_wait();                                     /* q/k/v/g come from the matvec */
+    griddep_launch();
+
+    /* q heads of this group, the new k and v: raw into shared memory, then per-vector norm and RoPE */
+    for (int i = tid; i < rd / 2; i += 256) {
+        float f = (float)pos * inv_freq[i];
+        cs[i] = cosf(f) * rscale;
+        sn[i] = sinf(f) * rscale;
+    }
+    for (int i = tid; i < (g + 2) * D; i += 256) {
+        int j = i / D, d = i % D;
+        int src = j < g ? (kvh * g + j) * D : j == g ? (nh + kvh) * D : (nh + nkv + kvh) * D;
+        sm.raw[j][d] = qkvg[src + d];
+    }
+    if (tid < G) { hm[tid] = -INFINITY; hl[tid] = 0.0f; }
+    __syncthreads();
+    const bool owner = kb <= pos && pos < ke;
+    const size_t crow = (size_t)(pos % rows) * KVD + (size_t)kvh * D;
+    for (int j = warp; j < g + 2; j += 8) {
+        const float *b = sm.raw[j];
+        if (j == g + 1) {                               /* v: as is */
+            for (int d = lane; d < D; d += 32) {
+                KV v = from_f<KV>(b[d]);
+                vn[d] = to_f(v);
+                if (owner) vc[crow + d] = v;
+            }
+            continue;
+        }
+        const float *nw = j < g ? q_norm : k_norm;
+        float ss = 0.0f;
+        for (int d = lane; d < D; d += 32) ss += b[d] * b[d];
+        float inv = 1.0f / sqrtf(warp_sum(ss) / D + eps);
+        for (int d = lane; d < D; d += 32) {
+            float o = nw[d] * (b[d] * inv);
+            if (d < rd) {
+                int half = rd / 2, i = d < half ? d : d - half, e = d < half ? d + half : d - half;
+                float other = nw[e] * (b[e] * inv);
+                o = d < half ? o * cs[i] - other * sn[i] : o * cs[i] + other * sn[i];
+            }
+            if (j < g) qs[j][d] = o * scale_log2;
+            else {
+                KV k = from_f<KV>(o);
+                kn[d] = to_f(k);
+                if (owner) kc[crow + d] = k;
+            }
+        }
+    }
+    __syncthreads();
+
+    float o[G][8];
+#pragma unroll
+    for (int j = 0; j < G; j++)
+#pragma unroll
+        for (int i = 0; i < 8; i++) o[j][i] = 0.0f;
+    for (int t0 = kb; t0 < ke; t0 += KT) {
+        KV8 nk[2], nv[2];
+        if (t0 + KT < ke) kv_tile_load<KV, D>(kc, vc, rows, KVD, kvh, t0 + KT, ke, pos, nk, nv);
+        /* scores */
+        const int uk = t0 + tid / KL, c0 = 2 * (tid % KL);
+        float kf[2][8];
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            if (uk == pos) load_x8(kn + (c0 + i) * 8, kf[i]);
+            else kv_unpack(kr[i], kc, kf[i]);
+        }
+#pragma unroll
+        for (int j = 0; j < G; j++) {
+            if (j >= g) break;
+            float qa[8], qb[8];
+            load_x8(&qs[j][c0 * 8], qa);
+            load_x8(&qs[j][c0 * 8 + 8], qb);
+            float s = dot8(qa, kf[0]) + dot8(qb, kf[1]);
+#pragma unroll
+            for (int off = 1; off < KL; off <<= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+            if (tid % KL == 0) sm.sc[j][tid / KL] = uk < ke ? s : -INFINITY;
+        }
+        __syncthreads();
+        /* per head: the running max, this tile's probabilities and the running sum */
+        for (int j = warp; j < g; j += 8) {
+            float mx = -INFINITY;
+            for (int k = lane; k < KT; k += 32) mx = fmaxf(mx, sm.sc[j][k]);
+            mx = warp_max(mx);
+            float mo = hm[j], mn = fmaxf(mo, mx), corr = exp2f(mo - mn), sum = 0.0f;
+            for (int k = lane; k < KT; k += 32) { float p = exp2f(sm.sc[j][k] - mn); sm.sc[j][k] = p; sum += p; }
+            sum = warp_sum(sum);
+            if (lane == 0) { hl[j] = hl[j] * corr + sum; hm[j] = mn; hc[j] = corr; }
+        }
+        __syncthreads();
+        /* p . V */
+        const int v0 = t0 + tid / CH, dc = (tid % CH) * 8;
+        float vf[2][8];
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            if (v0 + i * (KT / 2) == pos) load_x8(vn + dc, vf[i]);
+            else kv_unpack(vr[i], vc, vf[i]);
+        }
+#pragma unroll
+        for (int j = 0; j < G; j++) {
+            if (j >= g) break;
+            float c = hc[j], p0 = sm.sc[j][tid / CH], p1 = sm.sc[j][tid / CH + KT / 2];
+#pragma unroll
+            for (int i = 0; i < 8; i++) o[j][i] = o[j][i] * c + p0 * vf[0][i] + p1 * vf[1][i];
+        }
+        __syncthreads();                                /* sc is rewritten by the next tile */
+#pragma unroll
+        for (int i = 0; i < 2; i++) { kr[i] = nk[i]; vr[i] = nv[i]; }
+    }
+    if (kb < ke) {
+        /* the threads of one dim chunk: lanes CH apart, then the 8 warps (fixed order) */
+#pragma unroll
+        for (int off = CH; off < 32; off <<= 1)
+#pragma unroll
+            for (int j = 0; j < G; j++) {
+                if (j >= g) break;
+#pragma unroll
+                for (int i = 0; i < 8; i++) o[j][i] += __shfl_xor_sync(0xffffffffu, o[j][i], off);
+            }
+        if (lane < CH)
+#pragma unroll
+            for (int j = 0; j < G; j++) {
+                if (j >= g) break;
+#pragma unroll
+                for (int i = 0; i < 8; i++) sm.wo[warp][j][lane * 8 + i] = o[j][i];
+            }
+        __syncthreads();
+        const size_t pbase = ((size_t)kvh * nsplit + split) * g;
+        for (int i = tid; i < g * D; i += 256) {
+            int j = i / D, d = i % D;
+            float acc = 0.0f;
+            for (int w = 0; w < 8; w++) acc += sm.wo[w][j][d];
+            part_o[(pbase + j) * D + d] = acc;
+            if (d == 0) part_ml[pbase + j] = make_float2(hm[j], hl[j]);
+        }
+    }
+    /* the last block of this kv head merges the active splits and applies the gate */
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) last = atomicAdd(&counter[kvh], 1) == nsplit - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    if (warp < g) {                                     /* warp j: split weights of head j */
+        int j = warp;
+        float M = -INFINITY, L = 0.0f;
+        for (int s = lane; s < nact; s += 32) M = fmaxf(M, __ldcg(&part_ml[((size_t)kvh * nsplit + s) * g + j].x));
+        M = warp_max(M);
+        for (int s = lane; s < nact; s += 32) {
+            float2 ml = __ldcg(&part_ml[((size_t)kvh * nsplit + s) * g + j]);
+            float w = exp2f(ml.x - M);
+            sw[s][j] = w;
+            L += ml.y * w;
+        }
+        L = warp_sum(L);
+        if (lane == 0) sL[j] = L;
+    }
+    __syncthreads();
+    for (int c = tid; c < g * D / 4; c += 256) {        /* 4 dims of one head per thread */
+        int j = c / (D / 4), d = (c % (D / 4)) * 4;
+        float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 4
+        for (int s = 0; s < nact; s++) {
+            float w = sw[s][j];
+            float4 v = __ldcg((const float4 *)&part_o[(((size_t)kvh * nsplit + s) * g + j) * D + d]);
+            acc.x += v.x * w; acc.y += v.y * w; acc.z += v.z * w; acc.w += v.w * w;
+        }
+        int hd = kvh * g + j;
+        const float *gate = qkvg + gate_off;
+        float a[4] = {acc.x, acc.y, acc.z, acc.w};
+        for (int i = 0; i < 4; i++)
+            att[(size_t)hd * D + d + i] = a[i] / sL[j] * softplus(gate[gate_per_head ? hd : hd * D + d + i]);
+    }
+    if (tid == 0) counter[kvh] = 0;
+}
+
 /* Merge the splits of each (token, head), then the softplus output gate (per head or per element).
  * The split weights go through shared memory; splits left empty by a short context are skipped. */
 __global__ void attention_combine(float *att, const float *part_o, const float2 *part_ml, int nsplit, int nh,
@@ -906,59 +1183,125 @@ __global__ void __launch_bounds__(256) moe_down(const W *experts_down, int I, co
     }
 }
 
+/* SwiGLU gate/up for one token (n = 1 decode): hs = silu(x . gate_i) * (x . up_i) for the always-on matrix (shared
+ * expert, or the dense MLP), then h_pair[a] likewise for the a-th active expert (ascending id, = its pair index).
+ * A warp per hidden unit, each lane's NCH 16-byte chunks of both rows (16 loads at H = 2048) issued together; the
+ * always-on blocks come first in the grid and issue their loads before the wait on the router (their weights
+ * don't depend on it). Every block waits before it exits (moe_down_decode relies on that, see there). */
+template <typename W, int NCH>
+__global__ void __launch_bounds__(256) moe_gate_up_decode(const W *experts_gu, int I, const W *always_gu, int S,
+                                                          int H, const float *xb, const int *active,
+                                                          const int *n_active, float *h_pair, float *hs) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nbS = (S + 7) / 8, b = blockIdx.x;
+    const W *wg = NULL, *wu = NULL;
+    float *dst = NULL;
+    W8 cg[NCH], cu[NCH];
+    if (b < nbS) {
+        int i = b * 8 + warp;
+        if (i < S) { wg = always_gu + (size_t)i * H; wu = always_gu + (size_t)(S + i) * H; dst = hs + i; }
+    }
+#pragma unroll
+    for (int u = 0; u < NCH; u++)
+        if (wg && (lane + 32 * u) * 8 < H) { cg[u] = load_w8(wg + (lane + 32 * u) * 8); cu[u] = load_w8(wu + (lane + 32 * u) * 8); }
+    griddep_wait();                                   /* the router's plan and xb */
+    griddep_launch();
+    if (b >= nbS) {
+        int nbI = (I + 7) / 8, a = (b - nbS) / nbI, i = ((b - nbS) % nbI) * 8 + warp;
+        if (a >= *n_active || i >= I) return;
+        const W *base = experts_gu + (size_t)active[a] * 2 * I * H;
+        wg = base + (size_t)i * H;
+        wu = base + (size_t)(I + i) * H;
+        dst = h_pair + (size_t)a * I + i;
+#pragma unroll
+        for (int u = 0; u < NCH; u++)
+            if ((lane + 32 * u) * 8 < H) { cg[u] = load_w8(wg + (lane + 32 * u) * 8); cu[u] = load_w8(wu + (lane + 32 * u) * 8); }
+    }
+    if (!dst) return;
+    float ag = 0.0f, au = 0.0f;
+#pragma unroll
+    for (int u = 0; u < NCH; u++) {
+        int k = (lane + 32 * u) * 8;
+        if (k >= H) break;
+        float g8[8], u8[8], x8[8];
+        unpack_w8(cg[u], wg, g8);
+        unpack_w8(cu[u], wu, u8);
+        load_x8(xb + k, x8);
+        ag += dot8(g8, x8);
+        au += dot8(u8, x8);
+    }
+    ag = warp_sum(ag);
+    au = warp_sum(au);
+    if (lane == 0) *dst = silu(ag) * au;
+}
+
 /* Decode (one token): all down projections of a layer in one launch with the weighted sum and the residual:
  * x[j] += always_down[j] . hs + scaling * sum_a w_a * down_{e_a}[j] . h_a, experts in ascending id (the CPU's
- * order). One warp per output row; the 8 experts' rows are all in flight together. */
+ * order). One warp per output row; the first 8 experts' and the always-on row's first 512 columns (all of them at
+ * I = S = 512: 18 loads per lane) are loaded BEFORE the wait on moe_gate_up_decode. The plan (active, n_active,
+ * pair_w) is the router's, two kernels back: every kernel of the chain waits before it lets its successor start,
+ * so when this one starts the router has completed. Only h_pair / hs (the previous kernel's) need the wait. */
 template <typename W>
 __global__ void __launch_bounds__(256, 2) moe_down_decode(float *x, const W *experts_down, int I, const W *always_down,
                                                        int S, int H, const int *active, const int *n_active,
-                                                       const int *start, const float *pair_w, const float *h_pair,
-                                                       const float *hs, float scaling) {
-    griddep_wait();
+                                                       const float *pair_w, const float *h_pair, const float *hs,
+                                                       float scaling) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, j = blockIdx.x * 8 + warp;
+    const bool row = j < H;
+    const int na = n_active ? *n_active : 0;
+    W8 c[8][2], cs[2];
+    auto load_group = [&](int a0, int k0) {          /* 2 chunks (from column k0 + lane * 8) of experts a0..a0+7 */
+#pragma unroll
+        for (int a = 0; a < 8; a++)
+#pragma unroll
+            for (int u = 0; u < 2; u++)
+                if (row && a0 + a < na && k0 + (lane + 32 * u) * 8 < I)
+                    c[a][u] = load_w8(experts_down + ((size_t)active[a0 + a] * H + j) * I + k0 + (lane + 32 * u) * 8);
+    };
+    load_group(0, 0);
+#pragma unroll
+    for (int u = 0; u < 2; u++)
+        if (row && (lane + 32 * u) * 8 < S) cs[u] = load_w8(always_down + (size_t)j * S + (lane + 32 * u) * 8);
+    griddep_wait();                                   /* h_pair and hs */
     griddep_launch();
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, j = blockIdx.x * 8 + warp;
-    if (j >= H) return;
+    if (!row) return;
     float routed = 0.0f;
-    int na = n_active ? *n_active : 0;
     for (int a0 = 0; a0 < na; a0 += 8) {
         float acc[8] = {};
-        const W *wrow[8];
-        const float *hrow[8];
-#pragma unroll
-        for (int a = 0; a < 8; a++) {
-            int e = a0 + a < na ? active[a0 + a] : active[a0];
-            wrow[a] = experts_down + ((size_t)e * H + j) * I;
-            hrow[a] = h_pair + (size_t)start[e] * I;
-        }
-        for (int k0 = lane * 8; k0 < I; k0 += 2 * 256) {   /* 2 chunks of all 8 experts in flight */
-            W8 c[8][2];
+        for (int k0 = 0; k0 < I; k0 += 512) {
+            if (a0 || k0) load_group(a0, k0);
 #pragma unroll
             for (int a = 0; a < 8; a++)
 #pragma unroll
-                for (int u = 0; u < 2; u++)
-                    if (a0 + a < na && k0 + u * 256 < I) c[a][u] = load_w8(wrow[a] + k0 + u * 256);
-#pragma unroll
-            for (int a = 0; a < 8; a++)
-#pragma unroll
-                for (int u = 0; u < 2; u++)
-                    if (a0 + a < na && k0 + u * 256 < I) {
+                for (int u = 0; u < 2; u++) {
+                    int k = k0 + (lane + 32 * u) * 8;
+                    if (a0 + a < na && k < I) {
                         float w8[8], x8[8];
                         unpack_w8(c[a][u], experts_down, w8);
-                        load_x8(hrow[a] + k0 + u * 256, x8);
+                        load_x8(h_pair + (size_t)(a0 + a) * I + k, x8);
                         acc[a] += dot8(w8, x8);
                     }
+                }
         }
 #pragma unroll
         for (int a = 0; a < 8; a++)
-            if (a0 + a < na) routed += pair_w[start[active[a0 + a]]] * warp_sum(acc[a]);
+            if (a0 + a < na) routed += pair_w[a0 + a] * warp_sum(acc[a]);
     }
     float sh = 0.0f;
-    for (int k = lane * 8; k < S; k += 256) {
-        float w8[8], x8[8];
-        W8 c = load_w8(always_down + (size_t)j * S + k);
-        unpack_w8(c, always_down, w8);
-        load_x8(hs + k, x8);
-        sh += dot8(w8, x8);
+    for (int k0 = 0; k0 < S; k0 += 512) {
+        if (k0)
+#pragma unroll
+            for (int u = 0; u < 2; u++)
+                if (k0 + (lane + 32 * u) * 8 < S) cs[u] = load_w8(always_down + (size_t)j * S + k0 + (lane + 32 * u) * 8);
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            int k = k0 + (lane + 32 * u) * 8;
+            if (k < S) {
+                float w8[8], x8[8];
+                unpack_w8(cs[u], always_down, w8);
+                load_x8(hs + k, x8);
+                sh += dot8(w8, x8);
+            }
+        }
     }
     sh = warp_sum(sh);
     if (lane == 0) x[j] += sh + routed * scaling;
@@ -1147,6 +1490,9 @@ struct GpuModel {
     int attn_scalar;         /* LAGUNA_ATTN_SCALAR=1: the plain attention kernel on bf16 KV (a debug hook) */
     int pdl;                 /* programmatic dependent launch for the decode kernels (LAGUNA_NO_PDL=1: off) */
     int pdl_now;             /* set while enqueueing a one-token forward */
+    int mv_rpw;              /* decode matvec with in <= 2048: -1 auto, 0 block rows, 1/2/4 rows per warp (LAGUNA_MV_RPW) */
+    int attn_old;            /* LAGUNA_ATTN_OLD=1: qk_norm_rope + the round-1 attention_decode (for comparison) */
+    int fused_split[2];      /* attention_decode_fused splits per layer type */
     int nsm;
     char *wbuf;              /* all weights: one allocation */
     char *kvbuf;             /* all KV caches: one allocation */
@@ -1347,6 +1693,8 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
     g->attn_scalar = getenv("LAGUNA_ATTN_SCALAR") != NULL;
     g->use_graph = !getenv("LAGUNA_NO_GRAPH");    /* for the test that graph replay equals plain launches */
     g->pdl = !getenv("LAGUNA_NO_PDL");
+    g->mv_rpw = getenv("LAGUNA_MV_RPW") ? atoi(getenv("LAGUNA_MV_RPW")) : -1;
+    g->attn_old = getenv("LAGUNA_ATTN_OLD") != NULL;
     int D = c->head_dim, H = c->dim, KVD = c->kv_dim, T = max_tokens, E = c->n_experts, K = c->n_experts_active;
     for (uint64_t i = 0; i < m->n_tensors; i++)
         if (m->dir[i].dtype != DT_F32 && m->dir[i].dtype != DT_BF16 && strcmp(m->dir[i].name, "tokenizer"))
@@ -1466,6 +1814,15 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
     /* attention splits for one token: sliding layers see at most W keys, full layers up to ctx */
     g->decode_split[ATTN_FULL] = split_for(g, ctx, 1, 1);
     g->decode_split[ATTN_SLIDING] = split_for(g, c->sliding_window, 1, 1);
+    /* fused decode attention: tiles of 4096 / D keys; sliding layers one tile per split, full layers up to
+     * ~4 blocks per SM (splits then run several tiles each); at most 128 splits (its merge's shared memory) */
+    {
+        int kt = 4096 / D, most = 4 * g->nsm / c->n_kv_heads;
+        int sw = (c->sliding_window + kt - 1) / kt, fu = (ctx + kt - 1) / kt;
+        g->fused_split[ATTN_SLIDING] = sw < 1 ? 1 : sw > 128 ? 128 : sw;
+        int f = fu < most ? fu : most;
+        g->fused_split[ATTN_FULL] = f < 1 ? 1 : f > 128 ? 128 : f;
+    }
     if (g->use_graph) capture_decode(g);    /* captured once here; replayed at every position */
     CUDA_CHECK(cudaDeviceSynchronize());
     size_t fr, tot;
@@ -1534,11 +1891,28 @@ static void matvec(GpuModel *g, float *out, const void *w, int rows, int in, con
                    float *xb_out, const float *bias, int accumulate) {
 #define MV(R, N) launch(g, matvec_kernel<W, R, N>, dim3((rows + R - 1) / R), dim3(256), 0, out, (const W *)w, rows, in, \
                         x, norm_w, g->c.norm_eps, xb_out, bias, accumulate)
-    if (in <= 2048) MV(8, 1);
+    /* in <= 2048: a warp per row (faster than block rows for these shapes in the lab), RPW rows per warp:
+     * g->mv_rpw (LAGUNA_MV_RPW=0 picks the block-rows kernel, 1/2/4 force RPW), by default 4 for lm_head-sized
+     * matrices (x staged once per 32 rows) and 1 below (more blocks for ~10K rows) */
+    int rpw = g->mv_rpw >= 0 ? g->mv_rpw : rows >= 32768 ? 4 : 1;
+#define MVW(R) launch(g, matvec_warp<W, 8, R>, dim3((rows + 8 * R - 1) / (8 * R)), dim3(256), 0, out, (const W *)w, rows, \
+                      in, x, norm_w, g->c.norm_eps, xb_out, bias, accumulate)
+    if (in <= 2048 && rpw == 1) MVW(1);
+    else if (in <= 2048 && rpw == 2) MVW(2);
+    else if (in <= 2048 && rpw == 4) MVW(4);
+#undef MVW
+    else if (in <= 2048) MV(8, 1);
     else if (in <= 4096) MV(4, 2);
     else if (in <= 8192) MV(2, 4);
     else MV(1, 8);
 #undef MV
+}
+
+/* one token with the fused decode attention (q/k norm and RoPE inside): group <= 8, D a power of two 16..128 */
+static int fused_decode_attention(const GpuModel *g, int l, int n) {
+    int D = g->c.head_dim;
+    return n == 1 && g->L[l].nh / g->c.n_kv_heads <= 8 && !g->attn_scalar && !g->attn_old &&
+           (D == 16 || D == 32 || D == 64 || D == 128);
 }
 
 static void attention(GpuModel *g, int l, int n, int pos) {
@@ -1549,6 +1923,20 @@ static void attention(GpuModel *g, int l, int n, int pos) {
     float scale_log2 = 1.4426950408889634f / sqrtf((float)D);
     const int *pos_ptr = g->pos;
     int nsplit = 1;
+    if (fused_decode_attention(g, l, n)) {
+        /* one token: q/k norm, RoPE, the K/V append, split-K attention, merge and gate in one launch */
+        nsplit = g->fused_split[c->layer_type[l]];
+        int gate_off = L->nh * D + 2 * c->kv_dim, t = c->layer_type[l];
+#define FUSED(KV, DD) launch(g, attention_decode_fused<KV, DD>, dim3(nkv, nsplit), dim3(256), 0, (const float *)g->qkvg, \
+        gq, L->nh, nkv, (KV *)L->kc, (KV *)L->vc, L->rows, c->kv_dim, pos_ptr, window, nsplit, (const float *)L->q_norm, \
+        (const float *)L->k_norm, (const float *)g->inv_freq[t], c->rotary_dim[t], c->rope_scaling[t], c->norm_eps, \
+        g->part_o, g->part_ml, g->counters + 1, g->att, gate_off, c->gate_per_head, scale_log2)
+#define FUSED_D(KV) switch (D) { case 16: FUSED(KV, 16); break; case 32: FUSED(KV, 32); break; case 64: FUSED(KV, 64); break; default: FUSED(KV, 128); }
+        if (g->kv_bf) FUSED_D(bf16) else FUSED_D(float)
+#undef FUSED_D
+#undef FUSED
+        return;
+    }
     if (n == 1 && gq <= 8 && !g->attn_scalar) {
         /* one token: split-K over the keys, merged and gated in the same launch */
         nsplit = g->decode_split[c->layer_type[l]];
@@ -1590,13 +1978,22 @@ static void mlp_decode(GpuModel *g, int l) {
     const Config *c = &g->c;
     GpuLayer *L = &g->L[l];
     int H = c->dim, I = c->moe_hidden_dim, K = c->n_experts_active;
+    /* gate/up: the one-token kernel (H <= 2048) or the general one; the always-on matrix's blocks first */
+#define GATE_UP(EGU, NI, KA) do { \
+        if (H <= 2048) launch(g, moe_gate_up_decode<W, 8>, dim3((L->hid + 7) / 8 + (KA) * ((I + 7) / 8)), dim3(256), 0, \
+                              (const W *)(EGU), I, (const W *)L->gate_up, L->hid, H, (const float *)g->xb, \
+                              (const int *)g->active, (const int *)(NI), g->h_pair, (KA) ? g->hs : g->mlp_act); \
+        else launch(g, moe_gate_up<W>, dim3((KA) * ((I + 7) / 8) + (L->hid + 7) / 8), dim3(256), 0, (const W *)(EGU), I, \
+                    (const W *)L->gate_up, L->hid, H, (const float *)g->xb, 1, (const int *)g->start, \
+                    (const int *)g->pair_tok, (const int *)g->active, (const int *)(NI), KA, g->h_pair, \
+                    (KA) ? g->hs : g->mlp_act); \
+    } while (0)
     if (L->dense) {
         launch(g, rmsnorm_kernel, dim3(1), dim3(256), 0, g->xb, (const float *)g->x, H, (const float *)L->ffn_norm, H,
                c->norm_eps);
-        launch(g, moe_gate_up<W>, dim3((L->hid + 7) / 8), dim3(256), 0, (const W *)NULL, 0, (const W *)L->gate_up,
-               L->hid, H, (const float *)g->xb, 1, NULL, NULL, NULL, NULL, 0, NULL, g->mlp_act);
+        GATE_UP(NULL, NULL, 0);
         launch(g, moe_down_decode<W>, dim3((H + 7) / 8), dim3(256), 0, g->x, (const W *)NULL, 0, (const W *)L->down,
-               L->hid, H, NULL, NULL, NULL, NULL, NULL, (const float *)g->mlp_act, 0.0f);
+               L->hid, H, NULL, NULL, NULL, NULL, (const float *)g->mlp_act, 0.0f);
         return;
     }
     /* route: router logits from the normed x (the norm folded into the matvec, which also leaves xb) and the
@@ -1610,13 +2007,11 @@ static void mlp_decode(GpuModel *g, int l) {
     else if (H <= 8192) ROUTE(4);
     else ROUTE(8);
 #undef ROUTE
-    int nbI = (I + 7) / 8;
-    launch(g, moe_gate_up<W>, dim3(K * nbI + (L->hid + 7) / 8), dim3(256), 0, (const W *)L->experts_gate_up, I,
-           (const W *)L->gate_up, L->hid, H, (const float *)g->xb, 1, (const int *)g->start,
-           (const int *)g->pair_tok, (const int *)g->active, (const int *)g->n_active, K, g->h_pair, g->hs);
+    GATE_UP(L->experts_gate_up, g->n_active, K);
+#undef GATE_UP
     launch(g, moe_down_decode<W>, dim3((H + 7) / 8), dim3(256), 0, g->x, (const W *)L->experts_down, I,
-           (const W *)L->down, L->hid, H, (const int *)g->active, (const int *)g->n_active, (const int *)g->start,
-           (const float *)g->pair_w, (const float *)g->h_pair, (const float *)g->hs, c->routed_scaling);
+           (const W *)L->down, L->hid, H, (const int *)g->active, (const int *)g->n_active, (const float *)g->pair_w,
+           (const float *)g->h_pair, (const float *)g->hs, c->routed_scaling);
 }
 
 /* the MoE of n > 1 tokens, grouped by expert */
@@ -1744,7 +2139,8 @@ static void forward_gpu(GpuModel *g, int n, int pos, int all_logits) {
 #define QKR(KV) launch(g, qk_norm_rope_kernel<KV>, rg, dim3(128), 0, g->qkvg, L->NQ, L->nh, c->n_kv_heads, D, \
         (const float *)L->q_norm, (const float *)L->k_norm, (const float *)g->inv_freq[type], c->rotary_dim[type], \
         c->rope_scaling[type], (KV *)L->kc, (KV *)L->vc, L->rows, (const int *)g->pos, c->norm_eps)
-        if (g->kv_bf) QKR(bf16);
+        if (fused_decode_attention(g, l, n)) {}     /* done inside the attention kernel */
+        else if (g->kv_bf) QKR(bf16);
         else QKR(float);
 #undef QKR
         attention(g, l, n, pos);

@@ -2,7 +2,7 @@
 # dev/device_perf.sh -- one device call for the decode-speed work (issue #4): build, correctness, benchmark,
 # kernel lab and a per-kernel ncu profile of one decode step, logs under $OUT (the device tool's folder).
 #   bash dev/device_perf.sh            (~6 minutes on one H200; each stage has its own time limit)
-# Stages write: build.log, test.log, bench.log, lab.log, ncu.csv, ncu_step.txt (and summary.txt: the tail of each).
+# Stages write: build.log, test.log, bench.log, lab.log, ncu.csv, ncu_step.txt, ncu_step_old_attn.txt (and summary.txt: the tail of each).
 set -u
 OUT=${OUT:-/tmp/laguna_perf}
 mkdir -p "$OUT"
@@ -35,13 +35,20 @@ cat "$OUT/export.log" >> "$OUT/build.log" && rm -f "$OUT/export.log"
 stage bench
 # decode at 512 and 8K with programmatic dependent launch, then 512 without it (same kernels otherwise)
 timeout 100 ./dev/bench_gpu /dev/shm/xs21.bin 512 8192 32768 > "$OUT/bench.log" 2>&1
-echo "--- LAGUNA_NO_PDL=1" >> "$OUT/bench.log"
-LAGUNA_NO_PDL=1 timeout 60 ./dev/bench_gpu /dev/shm/xs21.bin 512 >> "$OUT/bench.log" 2>&1
-grep "^|\|init\|error" "$OUT/bench.log" >> "$OUT/summary.txt"
+# round-2 A/B switches, one decode bench each (the "---" line names the switch; the default run is the first table):
+#   LAGUNA_ATTN_OLD=1   round-1 qk_norm_rope + attention_decode instead of attention_decode_fused
+#   LAGUNA_MV_RPW=0     round-1 block-rows matvec for in <= 2048; =1/2/4 the warp-per-row kernel with 1/2/4 rows
+#                       per warp everywhere (default: 4 for lm_head, 1 for the rest)
+for sw in "LAGUNA_ATTN_OLD=1 @ 512 8192" "LAGUNA_MV_RPW=0 @ 512" "LAGUNA_MV_RPW=1 @ 512" "LAGUNA_MV_RPW=2 @ 512" \
+          "LAGUNA_MV_RPW=4 @ 512" "LAGUNA_NO_PDL=1 @ 512"; do
+    echo "--- ${sw%% @*}" >> "$OUT/bench.log"
+    env ${sw%% @*} timeout 45 ./dev/bench_gpu /dev/shm/xs21.bin ${sw#*@ } >> "$OUT/bench.log" 2>&1
+done
+grep "^|\|^---\|init\|error" "$OUT/bench.log" | grep -v "^|---\|^| context" >> "$OUT/summary.txt"
 
 stage lab
 timeout 45 ./dev/matvec_lab > "$OUT/lab.log" 2>&1
-grep "^|\|check\|copy" "$OUT/lab.log" >> "$OUT/summary.txt"
+grep "^|\|check\|copy\|rror" "$OUT/lab.log" >> "$OUT/summary.txt"
 
 stage ncu
 # one decode step of the 4-layer file after a 512-token prompt, every kernel timed on its own (caches flushed)
@@ -50,6 +57,12 @@ timeout 120 ncu --clock-control none --metrics gpu__time_duration.sum,dram__byte
     ./laguna /dev/shm/x4.bin --random-weights 1 --ids -t 0 -n 3 "$IDS" > "$OUT/ncu.csv" 2>&1
 python3 dev/ncu_summary.py "$OUT/ncu.csv" > "$OUT/ncu_step.txt" 2>&1
 cat "$OUT/ncu_step.txt" >> "$OUT/summary.txt"
+# the same step with the round-1 attention (qk_norm_rope + attention_decode) for the per-kernel comparison
+LAGUNA_ATTN_OLD=1 timeout 90 ncu --clock-control none --metrics gpu__time_duration.sum,dram__bytes_read.sum --csv \
+    ./laguna /dev/shm/x4.bin --random-weights 1 --ids -t 0 -n 3 "$IDS" > "$OUT/ncu_old_attn.csv" 2>&1
+python3 dev/ncu_summary.py "$OUT/ncu_old_attn.csv" > "$OUT/ncu_step_old_attn.txt" 2>&1
+echo "--- ncu, LAGUNA_ATTN_OLD=1 (attention rows only)" >> "$OUT/summary.txt"
+grep "qk_norm_rope\|attention\|sum over" "$OUT/ncu_step_old_attn.txt" >> "$OUT/summary.txt"
 stage done
 rm -f /dev/shm/xs21.bin /dev/shm/x4.bin
 cat "$OUT/summary.txt"
