@@ -68,6 +68,22 @@ __device__ float block_sum(float v) {
     return s;
 }
 
+/* Programmatic dependent launch (sm_90). The decode kernels are launched with it (see launch() below): a kernel
+ * may then start while the previous one in the stream is still running, and must call griddep_wait() before it
+ * reads or writes anything an earlier kernel touches (weights it may load before: they never change). Once all of
+ * a kernel's blocks have waited they call griddep_launch(), which lets the next kernel start its blocks and its
+ * weight loads early. Without the launch attribute both are no-ops. */
+__device__ __forceinline__ void griddep_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void griddep_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
 __device__ __forceinline__ float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
@@ -136,6 +152,8 @@ __global__ void embed_kernel(float *x, const W *embed, const int *tokens, int H)
 
 /* out[t] = w * (x[t] / sqrt(mean(x[t]^2) + eps)); one block per row */
 __global__ void rmsnorm_kernel(float *out, const float *x, int ldx, const float *w, int H, float eps) {
+    griddep_wait();
+    griddep_launch();
     int t = blockIdx.x;
     const float *xt = x + (size_t)t * ldx;
     float ss = 0.0f;
@@ -146,60 +164,123 @@ __global__ void rmsnorm_kernel(float *out, const float *x, int ldx, const float 
 }
 
 /* Decode matvec: out[r] (+)= W[r, :] . norm(x) + bias[r], for one token.
- * x is staged once per block in shared memory (RMSNorm applied there when norm_w is given, and block 0 writes
- * the normed x to xb_out for later steps); each warp owns R rows and streams them with 16-byte loads, 4 chunks
- * of every row in flight. R = 4 for tall matrices (fewer blocks re-reading x), 1 for wide ones (more warps). */
-template <typename W, int R>
-__global__ void __launch_bounds__(256) matvec_kernel(float *out, const W *w, int rows, int in, const float *x,
-                                                     const float *norm_w, float eps, float *xb_out,
-                                                     const float *bias, int accumulate) {
-    extern __shared__ float xs[];
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < in; i += blockDim.x) { float v = x[i]; xs[i] = v; ss += v * v; }
+ * A block of 256 threads owns ROWS whole rows; thread t owns the 8-column chunks t, t + 256, ... (NCH of them), the
+ * same columns in every row. So its slice of x lives in registers (no shared-memory staging of x before the first
+ * weight load), the RMSNorm's sum of squares is one block reduction, and the row sums are one reduction at the
+ * end. Each thread's ROWS * NCH = 8 weight chunks (16-byte streaming loads) are issued first, before the wait on the
+ * previous kernel (programmatic dependent launch), so a block's weights are in flight while x is still being
+ * written. Block 0 writes the normed x to xb_out for later steps. */
+template <typename W, int ROWS, int NCH>
+__device__ __forceinline__ void matvec_rows(float *out, const W *w, int rows, int in, const float *x,
+                                            const float *norm_w, float eps, float *xb_out, const float *bias,
+                                            int accumulate) {
+    __shared__ float red[8][ROWS];
+    const int tid = threadIdx.x, r0 = blockIdx.x * ROWS, C = in / 8;
+    W8 c[ROWS][NCH];                                /* the weights: loaded before anything else */
+#pragma unroll
+    for (int j = 0; j < ROWS; j++) {
+        const W *wr = w + (size_t)min(r0 + j, rows - 1) * in;
+#pragma unroll
+        for (int u = 0; u < NCH; u++)
+            if (tid + u * 256 < C) c[j][u] = load_w8(wr + (tid + u * 256) * 8);
+    }
+    griddep_wait();                                 /* x is the previous kernel's output */
+    griddep_launch();
+    float xv[NCH][8], ss = 0.0f;
+#pragma unroll
+    for (int u = 0; u < NCH; u++) {
+        int k = (tid + u * 256) * 8;
+        if (k < in) load_x8(x + k, xv[u]);
+        else for (int i = 0; i < 8; i++) xv[u][i] = 0.0f;
+        ss += dot8(xv[u], xv[u]);
+    }
     if (norm_w) {
         float inv = 1.0f / sqrtf(block_sum(ss) / in + eps);
-        for (int i = threadIdx.x; i < in; i += blockDim.x) {
-            xs[i] = norm_w[i] * (xs[i] * inv);
-            if (xb_out && blockIdx.x == 0) xb_out[i] = xs[i];
+#pragma unroll
+        for (int u = 0; u < NCH; u++) {
+            int k = (tid + u * 256) * 8;
+            if (k >= in) continue;
+            float nw[8];
+            load_x8(norm_w + k, nw);
+            for (int i = 0; i < 8; i++) xv[u][i] = nw[i] * (xv[u][i] * inv);
+            if (xb_out && blockIdx.x == 0) for (int i = 0; i < 8; i++) xb_out[k + i] = xv[u][i];
+        }
+    }
+    const int warp = tid >> 5, lane = tid & 31;
+#pragma unroll
+    for (int j = 0; j < ROWS; j++) {
+        float acc = 0.0f;
+#pragma unroll
+        for (int u = 0; u < NCH; u++)
+            if (tid + u * 256 < C) { float wv[8]; unpack_w8(c[j][u], w, wv); acc += dot8(wv, xv[u]); }
+        acc = warp_sum(acc);
+        if (lane == 0) red[warp][j] = acc;
+    }
+    __syncthreads();
+    if (tid < ROWS && r0 + tid < rows) {
+        float s = 0.0f;
+        for (int i = 0; i < 8; i++) s += red[i][tid];
+        int r = r0 + tid;
+        if (bias) s += bias[r];
+        out[r] = accumulate ? out[r] + s : s;
+    }
+}
+
+template <typename W, int ROWS, int NCH>
+__global__ void __launch_bounds__(256, NCH == 1 ? 3 : 2) matvec_kernel(float *out, const W *w, int rows, int in, const float *x,
+                                                     const float *norm_w, float eps, float *xb_out,
+                                                     const float *bias, int accumulate) {
+    matvec_rows<W, ROWS, NCH>(out, w, rows, in, x, norm_w, eps, xb_out, bias, accumulate);
+}
+
+/* Decode matvec for tall matrices with in <= 256 * NCH inputs (q/k/v/g, dense gate+up, lm_head): a warp per row,
+ * RPW consecutive rows per warp. Each lane's NCH 16-byte loads of its first row are issued before the wait on the
+ * previous kernel, the next row's before the current one is summed. x (normed when norm_w is given: the block's
+ * sum of squares) is staged once per block in shared memory: RPW > 1 spreads that L2 read over more rows. */
+template <typename W, int NCH, int RPW>
+__global__ void __launch_bounds__(256) matvec_warp(float *out, const W *w, int rows, int in, const float *x,
+                                                   const float *norm_w, float eps, float *xb_out, const float *bias,
+                                                   int accumulate) {
+    __shared__ __align__(16) float xs[256 * NCH];
+    const int tid = threadIdx.x, lane = tid & 31, r0 = (blockIdx.x * 8 + (tid >> 5)) * RPW;
+    W8 c[2][NCH];
+#pragma unroll
+    for (int u = 0; u < NCH; u++)
+        if ((lane + 32 * u) * 8 < in) c[0][u] = load_w8(w + (size_t)min(r0, rows - 1) * in + (lane + 32 * u) * 8);
+    griddep_wait();                                 /* x is the previous kernel's output */
+    griddep_launch();
+    float ss = 0.0f;
+    for (int k = tid * 4; k < in; k += 1024) {
+        float4 v = *(const float4 *)(x + k);
+        ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+        *(float4 *)(xs + k) = v;
+    }
+    if (norm_w) {                                   /* each thread rescales the elements it staged */
+        float inv = 1.0f / sqrtf(block_sum(ss) / in + eps);
+        for (int k = tid; k < in; k += 256) {
+            xs[k] = norm_w[k] * (xs[k] * inv);
+            if (xb_out && blockIdx.x == 0) xb_out[k] = xs[k];
         }
     }
     __syncthreads();
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int r0 = (blockIdx.x * (blockDim.x >> 5) + warp) * R;
-    if (r0 >= rows) return;
-    const W *wr[R];
 #pragma unroll
-    for (int j = 0; j < R; j++) wr[j] = w + (size_t)min(r0 + j, rows - 1) * in;
-    float acc[R] = {};
-    constexpr int U = 8 / R;                       /* 8 loads of 16 bytes in flight per lane */
-    int k = lane * 8;
-    for (; k + (U - 1) * 256 < in; k += U * 256) {
-        W8 c[U][R];
+    for (int j = 0; j < RPW; j++) {
+        if (j + 1 < RPW)
 #pragma unroll
-        for (int u = 0; u < U; u++)
+            for (int u = 0; u < NCH; u++)
+                if ((lane + 32 * u) * 8 < in)
+                    c[(j + 1) & 1][u] = load_w8(w + (size_t)min(r0 + j + 1, rows - 1) * in + (lane + 32 * u) * 8);
+        float acc = 0.0f;
 #pragma unroll
-            for (int j = 0; j < R; j++) c[u][j] = load_w8(wr[j] + k + u * 256);
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            float xv[8], wv[8];
-            load_x8(xs + k + u * 256, xv);
-#pragma unroll
-            for (int j = 0; j < R; j++) { unpack_w8(c[u][j], wr[j], wv); acc[j] += dot8(wv, xv); }
+        for (int u = 0; u < NCH; u++) {
+            int k = (lane + 32 * u) * 8;
+            if (k < in) { float wv[8], xv[8]; unpack_w8(c[j & 1][u], w, wv); load_x8(xs + k, xv); acc += dot8(wv, xv); }
         }
-    }
-    for (; k < in; k += 256) {
-        float xv[8], wv[8];
-        load_x8(xs + k, xv);
-#pragma unroll
-        for (int j = 0; j < R; j++) { W8 c = load_w8(wr[j] + k); unpack_w8(c, wr[j], wv); acc[j] += dot8(wv, xv); }
-    }
-#pragma unroll
-    for (int j = 0; j < R; j++) {
-        float s = warp_sum(acc[j]);
+        acc = warp_sum(acc);
         int r = r0 + j;
         if (lane == 0 && r < rows) {
-            if (bias) s += bias[r];
-            out[r] = accumulate ? out[r] + s : s;
+            if (bias) acc += bias[r];
+            out[r] = accumulate ? out[r] + acc : acc;
         }
     }
 }
@@ -216,6 +297,8 @@ template <typename KV>
 __global__ void qk_norm_rope_kernel(float *qkvg, int NQ, int nh, int nkv, int D, const float *q_norm,
                                     const float *k_norm, const float *inv_freq, int rd, float scaling,
                                     KV *kc, KV *vc, int rows, const int *pos_ptr, float eps) {
+    griddep_wait();
+    griddep_launch();
     __shared__ float buf[4][256];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int t = blockIdx.x, vi = blockIdx.y * 4 + warp;
@@ -453,6 +536,8 @@ template <typename KV>
 __global__ void attention_scalar(const float *qkvg, int NQ, int n, int g, int nh, int D, const KV *kc,
                                  const KV *vc, int rows, int KVD, const int *pos_ptr, int window, float *part_o,
                                  float2 *part_ml, float scale_log2) {
+    griddep_wait();
+    griddep_launch();
     int t = blockIdx.x, hd = blockIdx.y, lane = threadIdx.x, kvh = hd / g;
     int p = *pos_ptr + t, lo = window ? max(0, p - window + 1) : 0;
     const float *q = qkvg + (size_t)t * NQ + (size_t)hd * D;
@@ -477,10 +562,250 @@ __global__ void attention_scalar(const float *qkvg, int NQ, int n, int g, int nh
     if (lane == 0) part_ml[idx] = make_float2(m, l);
 }
 
+/* helpers of the decode attention below */
+__device__ __forceinline__ void load_kv8(const bf16 *p, float f[8]) { to_f32x8(*(const uint4 *)p, f); }
+__device__ __forceinline__ void load_kv8(const float *p, float f[8]) { load_x8(p, f); }
+
+/* merge the online-softmax state (m, l, o) of another part into this one */
+__device__ __forceinline__ void softmax_merge(float &m, float &l, float *o, int n, float om, float ol, const float *oo) {
+    float M = fmaxf(m, om);
+    float a = m == -INFINITY ? 0.0f : exp2f(m - M), b = om == -INFINITY ? 0.0f : exp2f(om - M);
+    l = l * a + ol * b;
+    for (int i = 0; i < n; i++) o[i] = o[i] * a + oo[i] * b;
+    m = M;
+}
+
+/* Decode attention with the q/k RMSNorm, RoPE and K/V append folded in (one query token; bf16 or f32 cache; g <= 8;
+ * D 16..128): grid (kv head, split), 256 threads; a split is a run of tiles of KT = 4096 / D keys (32 at D = 128).
+ * Per tile each thread holds 2 chunks (8 dims each) of K and 2 of V in registers: K as 2 neighbouring chunks of one
+ * key (CH / 2 lanes per key, so a score is a 3-step shuffle at D = 128), V as the same dim chunk of 2 keys.
+ * - The first tile's cache rows are loaded before the wait on the q/k/v/g matvec: only the new key's row is
+ *   written this step, and it comes from shared memory instead (pos itself is written before the step's kernels).
+ * - After the wait each block norms and ropes its group's q heads and the new k (v as is) into shared memory; the
+ *   block that owns the new key writes it to the cache (rounded to the cache type, as used here).
+ * - Per tile: scores to shared memory; per head the running max and sum (fixed shuffle trees); then p . V into
+ *   per-thread accumulators. The next tile's loads are issued before the current one is computed.
+ * - The last block of each kv head merges the splits in split order (deterministic) and applies the gate. */
+struct KV8 { uint4 a, b; };
+__device__ __forceinline__ KV8 kv_raw(const bf16 *p) { KV8 r; r.a = ld_stream(p); r.b = make_uint4(0, 0, 0, 0); return r; }
+__device__ __forceinline__ KV8 kv_raw(const float *p) { KV8 r; r.a = ld_stream(p); r.b = ld_stream(p + 4); return r; }
+__device__ __forceinline__ void kv_unpack(const KV8 &r, const bf16 *, float f[8]) { to_f32x8(r.a, f); }
+__device__ __forceinline__ void kv_unpack(const KV8 &r, const float *, float f[8]) { memcpy(f, &r.a, 16); memcpy(f + 4, &r.b, 16); }
+
+/* this thread's K chunks (2 of key t0 + tid / KL) and V chunks (chunk tid % CH of keys t0 + tid / CH, + KT / 2);
+ * keys past ke and the new key (pos) are zeros */
+template <typename KV, int D>
+__device__ __forceinline__ void kv_tile_load(const KV *kc, const KV *vc, int rows, int KVD, int kvh, int t0, int ke,
+                                             int pos, KV8 kr[2], KV8 vr[2]) {
+    constexpr int CH = D / 8, KT = 512 / CH, KL = CH / 2;
+    const int tid = threadIdx.x, uk = t0 + tid / KL;
+    const KV8 z = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        kr[i] = uk < ke && uk != pos ? kv_raw(kc + (size_t)(uk % rows) * KVD + kvh * D + (2 * (tid % KL) + i) * 8) : z;
+        int uv = t0 + tid / CH + i * (KT / 2);
+        vr[i] = uv < ke && uv != pos ? kv_raw(vc + (size_t)(uv % rows) * KVD + kvh * D + (tid % CH) * 8) : z;
+    }
+}
+
+template <typename KV, int D>
+__global__ void __launch_bounds__(256)
+attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc, int rows, int KVD,
+                       const int *pos_ptr, int window, int nsplit, const float *q_norm, const float *k_norm,
+                       const float *inv_freq, int rd, float rscale, float eps, float *part_o, float2 *part_ml,
+                       int *counter, float *att, int gate_off, int gate_per_head, float scale_log2) {
+    constexpr int G = 8, CH = D / 8, KT = 512 / CH, KL = CH / 2;
+    __shared__ __align__(16) float qs[G][D];            /* q, normed, roped, times scale * log2(e) */
+    __shared__ __align__(16) float kn[D], vn[D];        /* the new key and value, as the cache holds them */
+    __shared__ float cs[D / 2], sn[D / 2], hm[G], hl[G], hc[G], sw[128][G], sL[G];
+    __shared__ __align__(16) union { float raw[G + 2][D]; float sc[G][KT]; float wo[8][G][D]; } sm;
+    __shared__ int last;
+    const int kvh = blockIdx.x, split = blockIdx.y, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int pos = *pos_ptr, kmin = window ? max(0, pos - window + 1) : 0, keys = pos - kmin + 1;
+    const int per = ((keys + nsplit - 1) / nsplit + KT - 1) / KT * KT, nact = (keys + per - 1) / per;
+    const int kb = kmin + split * per, ke = min(pos + 1, kb + per);
+    KV8 kr[2], vr[2];
+    kv_tile_load<KV, D>(kc, vc, rows, KVD, kvh, kb, ke, pos, kr, vr);    /* before the wait: older rows only */
+    griddep_wait();                                     /* q/k/v/g come from the matvec */
+    griddep_launch();
+
+    /* q heads of this group, the new k and v: raw into shared memory, then per-vector norm and RoPE */
+    for (int i = tid; i < rd / 2; i += 256) {
+        float f = (float)pos * inv_freq[i];
+        cs[i] = cosf(f) * rscale;
+        sn[i] = sinf(f) * rscale;
+    }
+    for (int i = tid; i < (g + 2) * D; i += 256) {
+        int j = i / D, d = i % D;
+        int src = j < g ? (kvh * g + j) * D : j == g ? (nh + kvh) * D : (nh + nkv + kvh) * D;
+        sm.raw[j][d] = qkvg[src + d];
+    }
+    if (tid < G) { hm[tid] = -INFINITY; hl[tid] = 0.0f; }
+    __syncthreads();
+    const bool owner = kb <= pos && pos < ke;
+    const size_t crow = (size_t)(pos % rows) * KVD + (size_t)kvh * D;
+    for (int j = warp; j < g + 2; j += 8) {
+        const float *b = sm.raw[j];
+        if (j == g + 1) {                               /* v: as is */
+            for (int d = lane; d < D; d += 32) {
+                KV v = from_f<KV>(b[d]);
+                vn[d] = to_f(v);
+                if (owner) vc[crow + d] = v;
+            }
+            continue;
+        }
+        const float *nw = j < g ? q_norm : k_norm;
+        float ss = 0.0f;
+        for (int d = lane; d < D; d += 32) ss += b[d] * b[d];
+        float inv = 1.0f / sqrtf(warp_sum(ss) / D + eps);
+        for (int d = lane; d < D; d += 32) {
+            float o = nw[d] * (b[d] * inv);
+            if (d < rd) {
+                int half = rd / 2, i = d < half ? d : d - half, e = d < half ? d + half : d - half;
+                float other = nw[e] * (b[e] * inv);
+                o = d < half ? o * cs[i] - other * sn[i] : o * cs[i] + other * sn[i];
+            }
+            if (j < g) qs[j][d] = o * scale_log2;
+            else {
+                KV k = from_f<KV>(o);
+                kn[d] = to_f(k);
+                if (owner) kc[crow + d] = k;
+            }
+        }
+    }
+    __syncthreads();
+
+    float o[G][8];
+#pragma unroll
+    for (int j = 0; j < G; j++)
+#pragma unroll
+        for (int i = 0; i < 8; i++) o[j][i] = 0.0f;
+    for (int t0 = kb; t0 < ke; t0 += KT) {
+        KV8 nk[2], nv[2];
+        if (t0 + KT < ke) kv_tile_load<KV, D>(kc, vc, rows, KVD, kvh, t0 + KT, ke, pos, nk, nv);
+        /* scores */
+        const int uk = t0 + tid / KL, c0 = 2 * (tid % KL);
+        float kf[2][8];
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            if (uk == pos) load_x8(kn + (c0 + i) * 8, kf[i]);
+            else kv_unpack(kr[i], kc, kf[i]);
+        }
+#pragma unroll
+        for (int j = 0; j < G; j++) {
+            if (j >= g) break;
+            float qa[8], qb[8];
+            load_x8(&qs[j][c0 * 8], qa);
+            load_x8(&qs[j][c0 * 8 + 8], qb);
+            float s = dot8(qa, kf[0]) + dot8(qb, kf[1]);
+#pragma unroll
+            for (int off = 1; off < KL; off <<= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+            if (tid % KL == 0) sm.sc[j][tid / KL] = uk < ke ? s : -INFINITY;
+        }
+        __syncthreads();
+        /* per head: the running max, this tile's probabilities and the running sum */
+        for (int j = warp; j < g; j += 8) {
+            float mx = -INFINITY;
+            for (int k = lane; k < KT; k += 32) mx = fmaxf(mx, sm.sc[j][k]);
+            mx = warp_max(mx);
+            float mo = hm[j], mn = fmaxf(mo, mx), corr = exp2f(mo - mn), sum = 0.0f;
+            for (int k = lane; k < KT; k += 32) { float p = exp2f(sm.sc[j][k] - mn); sm.sc[j][k] = p; sum += p; }
+            sum = warp_sum(sum);
+            if (lane == 0) { hl[j] = hl[j] * corr + sum; hm[j] = mn; hc[j] = corr; }
+        }
+        __syncthreads();
+        /* p . V */
+        const int v0 = t0 + tid / CH, dc = (tid % CH) * 8;
+        float vf[2][8];
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            if (v0 + i * (KT / 2) == pos) load_x8(vn + dc, vf[i]);
+            else kv_unpack(vr[i], vc, vf[i]);
+        }
+#pragma unroll
+        for (int j = 0; j < G; j++) {
+            if (j >= g) break;
+            float c = hc[j], p0 = sm.sc[j][tid / CH], p1 = sm.sc[j][tid / CH + KT / 2];
+#pragma unroll
+            for (int i = 0; i < 8; i++) o[j][i] = o[j][i] * c + p0 * vf[0][i] + p1 * vf[1][i];
+        }
+        __syncthreads();                                /* sc is rewritten by the next tile */
+#pragma unroll
+        for (int i = 0; i < 2; i++) { kr[i] = nk[i]; vr[i] = nv[i]; }
+    }
+    if (kb < ke) {
+        /* the threads of one dim chunk: lanes CH apart, then the 8 warps (fixed order) */
+#pragma unroll
+        for (int off = CH; off < 32; off <<= 1)
+#pragma unroll
+            for (int j = 0; j < G; j++) {
+                if (j >= g) break;
+#pragma unroll
+                for (int i = 0; i < 8; i++) o[j][i] += __shfl_xor_sync(0xffffffffu, o[j][i], off);
+            }
+        if (lane < CH)
+#pragma unroll
+            for (int j = 0; j < G; j++) {
+                if (j >= g) break;
+#pragma unroll
+                for (int i = 0; i < 8; i++) sm.wo[warp][j][lane * 8 + i] = o[j][i];
+            }
+        __syncthreads();
+        const size_t pbase = ((size_t)kvh * nsplit + split) * g;
+        for (int i = tid; i < g * D; i += 256) {
+            int j = i / D, d = i % D;
+            float acc = 0.0f;
+            for (int w = 0; w < 8; w++) acc += sm.wo[w][j][d];
+            part_o[(pbase + j) * D + d] = acc;
+            if (d == 0) part_ml[pbase + j] = make_float2(hm[j], hl[j]);
+        }
+    }
+    /* the last block of this kv head merges the active splits and applies the gate */
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) last = atomicAdd(&counter[kvh], 1) == nsplit - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    if (warp < g) {                                     /* warp j: split weights of head j */
+        int j = warp;
+        float M = -INFINITY, L = 0.0f;
+        for (int s = lane; s < nact; s += 32) M = fmaxf(M, __ldcg(&part_ml[((size_t)kvh * nsplit + s) * g + j].x));
+        M = warp_max(M);
+        for (int s = lane; s < nact; s += 32) {
+            float2 ml = __ldcg(&part_ml[((size_t)kvh * nsplit + s) * g + j]);
+            float w = exp2f(ml.x - M);
+            sw[s][j] = w;
+            L += ml.y * w;
+        }
+        L = warp_sum(L);
+        if (lane == 0) sL[j] = L;
+    }
+    __syncthreads();
+    for (int c = tid; c < g * D / 4; c += 256) {        /* 4 dims of one head per thread */
+        int j = c / (D / 4), d = (c % (D / 4)) * 4;
+        float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 4
+        for (int s = 0; s < nact; s++) {
+            float w = sw[s][j];
+            float4 v = __ldcg((const float4 *)&part_o[(((size_t)kvh * nsplit + s) * g + j) * D + d]);
+            acc.x += v.x * w; acc.y += v.y * w; acc.z += v.z * w; acc.w += v.w * w;
+        }
+        int hd = kvh * g + j;
+        const float *gate = qkvg + gate_off;
+        float a[4] = {acc.x, acc.y, acc.z, acc.w};
+        for (int i = 0; i < 4; i++)
+            att[(size_t)hd * D + d + i] = a[i] / sL[j] * softplus(gate[gate_per_head ? hd : hd * D + d + i]);
+    }
+    if (tid == 0) counter[kvh] = 0;
+}
+
 /* Merge the splits of each (token, head), then the softplus output gate (per head or per element).
  * The split weights go through shared memory; splits left empty by a short context are skipped. */
 __global__ void attention_combine(float *att, const float *part_o, const float2 *part_ml, int nsplit, int nh,
                                   int D, const float *qkvg, int NQ, int gate_off, int gate_per_head) {
+    griddep_wait();
+    griddep_launch();
     __shared__ float wsp[64];
     __shared__ float sh_L;
     int t = blockIdx.x / nh, hd = blockIdx.x % nh;
@@ -588,6 +913,62 @@ __global__ void route_plan(float *logits, const float *bias, int n, int E, int K
     }
 }
 
+/* Decode (one token): the router matvec and route_plan's work in one launch. Every block computes 2 logits (128
+ * blocks: 1 MB of router weights wants many SMs pulling); the last block to finish (a counter in device memory,
+ * reset by that block) picks the top-k (H <= 2048 * NCH). One thread per expert: its rank among score + bias (descending, ties to the
+ * lower id, the CPU's order) makes it slot `rank` when rank < K; the plan is then trivial (one token: K pairs, each
+ * expert once, sorted by id). The weights are renormalised in slot order, as in laguna.c. */
+template <typename W, int NCH>
+__global__ void __launch_bounds__(256) router_decode(float *logits, const W *w, int E, int H, const float *x,
+                                                     const float *norm_w, float eps, float *xb_out,
+                                                     const float *bias, int K, float softcap, int *topk_idx,
+                                                     float *topk_w, int *start, int *pair_tok, float *pair_w,
+                                                     int *inv, int *active, int *n_active, int *counter) {
+    matvec_rows<W, 2, NCH>(logits, w, E, H, x, norm_w, eps, xb_out, NULL, 0);
+    __shared__ int last;
+    __threadfence();                               /* this block's logits, visible before it is counted */
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(counter, 1) == (int)gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    __shared__ float score[1024], sel[1024];
+    __shared__ int slot_e[32];
+    __shared__ float slot_w[32];
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        float v = __ldcg(logits + e);              /* L2: written by other blocks */
+        if (softcap > 0.0f) v = tanhf(v / softcap) * softcap;
+        score[e] = 1.0f / (1.0f + expf(-v));
+        sel[e] = score[e] + bias[e];
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        float v = sel[e];
+        int rank = 0;
+        for (int j = 0; j < E; j++) rank += sel[j] > v || (sel[j] == v && j < e);
+        if (rank < K) { slot_e[rank] = e; slot_w[rank] = score[e]; }
+    }
+    __syncthreads();
+    if (threadIdx.x < K) {
+        int j = threadIdx.x, e = slot_e[j], k = 0;
+        float sum = 0.0f;
+        for (int i = 0; i < K; i++) { sum += slot_w[i]; k += slot_e[i] < e; }
+        float wj = slot_w[j] / sum;
+        topk_idx[j] = e;
+        topk_w[j] = wj;
+        inv[j] = k;                                /* pair k = this slot: the pairs sorted by expert id */
+        active[k] = e;
+        pair_tok[k] = 0;
+        pair_w[k] = wj;
+    }
+    for (int e = threadIdx.x; e <= E; e += blockDim.x) {
+        int s = 0;
+        for (int i = 0; i < K; i++) s += slot_e[i] < e;
+        start[e] = s;
+    }
+    if (threadIdx.x == 0) { *n_active = K; *counter = 0; }
+}
+
 /* SwiGLU gate/up for the active experts and the always-on matrix (shared expert, or the dense MLP):
  * h = silu(x . gate_i) * (x . up_i). One warp per hidden unit i, every token of that expert, so the expert's
  * rows are read once. Blocks [0, max_active * nbI) are routed experts, the rest the always-on matrix. */
@@ -596,6 +977,8 @@ __global__ void __launch_bounds__(256) moe_gate_up(const W *experts_gu, int I, c
                                                    const float *xb, int n, const int *start, const int *pair_tok,
                                                    const int *active, const int *n_active, int max_active,
                                                    float *h_pair, float *hs) {
+    griddep_wait();
+    griddep_launch();
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nbI = (I + 7) / 8;
     int b = blockIdx.x, hid, i, cnt, first = 0;
     const W *base;
@@ -704,57 +1087,125 @@ __global__ void __launch_bounds__(256) moe_down(const W *experts_down, int I, co
     }
 }
 
+/* SwiGLU gate/up for one token (n = 1 decode): hs = silu(x . gate_i) * (x . up_i) for the always-on matrix (shared
+ * expert, or the dense MLP), then h_pair[a] likewise for the a-th active expert (ascending id, = its pair index).
+ * A warp per hidden unit, each lane's NCH 16-byte chunks of both rows (16 loads at H = 2048) issued together; the
+ * always-on blocks come first in the grid and issue their loads before the wait on the router (their weights
+ * don't depend on it). Every block waits before it exits (moe_down_decode relies on that, see there). */
+template <typename W, int NCH>
+__global__ void __launch_bounds__(256) moe_gate_up_decode(const W *experts_gu, int I, const W *always_gu, int S,
+                                                          int H, const float *xb, const int *active,
+                                                          const int *n_active, float *h_pair, float *hs) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nbS = (S + 7) / 8, b = blockIdx.x;
+    const W *wg = NULL, *wu = NULL;
+    float *dst = NULL;
+    W8 cg[NCH], cu[NCH];
+    if (b < nbS) {
+        int i = b * 8 + warp;
+        if (i < S) { wg = always_gu + (size_t)i * H; wu = always_gu + (size_t)(S + i) * H; dst = hs + i; }
+    }
+#pragma unroll
+    for (int u = 0; u < NCH; u++)
+        if (wg && (lane + 32 * u) * 8 < H) { cg[u] = load_w8(wg + (lane + 32 * u) * 8); cu[u] = load_w8(wu + (lane + 32 * u) * 8); }
+    griddep_wait();                                   /* the router's plan and xb */
+    griddep_launch();
+    if (b >= nbS) {
+        int nbI = (I + 7) / 8, a = (b - nbS) / nbI, i = ((b - nbS) % nbI) * 8 + warp;
+        if (a >= *n_active || i >= I) return;
+        const W *base = experts_gu + (size_t)active[a] * 2 * I * H;
+        wg = base + (size_t)i * H;
+        wu = base + (size_t)(I + i) * H;
+        dst = h_pair + (size_t)a * I + i;
+#pragma unroll
+        for (int u = 0; u < NCH; u++)
+            if ((lane + 32 * u) * 8 < H) { cg[u] = load_w8(wg + (lane + 32 * u) * 8); cu[u] = load_w8(wu + (lane + 32 * u) * 8); }
+    }
+    if (!dst) return;
+    float ag = 0.0f, au = 0.0f;
+#pragma unroll
+    for (int u = 0; u < NCH; u++) {
+        int k = (lane + 32 * u) * 8;
+        if (k >= H) break;
+        float g8[8], u8[8], x8[8];
+        unpack_w8(cg[u], wg, g8);
+        unpack_w8(cu[u], wu, u8);
+        load_x8(xb + k, x8);
+        ag += dot8(g8, x8);
+        au += dot8(u8, x8);
+    }
+    ag = warp_sum(ag);
+    au = warp_sum(au);
+    if (lane == 0) *dst = silu(ag) * au;
+}
+
 /* Decode (one token): all down projections of a layer in one launch with the weighted sum and the residual:
  * x[j] += always_down[j] . hs + scaling * sum_a w_a * down_{e_a}[j] . h_a, experts in ascending id (the CPU's
- * order). One warp per output row; the 8 experts' rows are all in flight together. */
+ * order). One warp per output row; the first 8 experts' and the always-on row's first 512 columns (all of them at
+ * I = S = 512: 18 loads per lane) are loaded BEFORE the wait on moe_gate_up_decode. The plan (active, n_active,
+ * pair_w) is the router's, two kernels back: every kernel of the chain waits before it lets its successor start,
+ * so when this one starts the router has completed. Only h_pair / hs (the previous kernel's) need the wait. */
 template <typename W>
 __global__ void __launch_bounds__(256, 2) moe_down_decode(float *x, const W *experts_down, int I, const W *always_down,
                                                        int S, int H, const int *active, const int *n_active,
-                                                       const int *start, const float *pair_w, const float *h_pair,
-                                                       const float *hs, float scaling) {
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, j = blockIdx.x * 8 + warp;
-    if (j >= H) return;
+                                                       const float *pair_w, const float *h_pair, const float *hs,
+                                                       float scaling) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, j = blockIdx.x * 8 + warp;
+    const bool row = j < H;
+    const int na = n_active ? *n_active : 0;
+    W8 c[8][2], cs[2];
+    auto load_group = [&](int a0, int k0) {          /* 2 chunks (from column k0 + lane * 8) of experts a0..a0+7 */
+#pragma unroll
+        for (int a = 0; a < 8; a++)
+#pragma unroll
+            for (int u = 0; u < 2; u++)
+                if (row && a0 + a < na && k0 + (lane + 32 * u) * 8 < I)
+                    c[a][u] = load_w8(experts_down + ((size_t)active[a0 + a] * H + j) * I + k0 + (lane + 32 * u) * 8);
+    };
+    load_group(0, 0);
+#pragma unroll
+    for (int u = 0; u < 2; u++)
+        if (row && (lane + 32 * u) * 8 < S) cs[u] = load_w8(always_down + (size_t)j * S + (lane + 32 * u) * 8);
+    griddep_wait();                                   /* h_pair and hs */
+    griddep_launch();
+    if (!row) return;
     float routed = 0.0f;
-    int na = n_active ? *n_active : 0;
     for (int a0 = 0; a0 < na; a0 += 8) {
         float acc[8] = {};
-        const W *wrow[8];
-        const float *hrow[8];
-#pragma unroll
-        for (int a = 0; a < 8; a++) {
-            int e = a0 + a < na ? active[a0 + a] : active[a0];
-            wrow[a] = experts_down + ((size_t)e * H + j) * I;
-            hrow[a] = h_pair + (size_t)start[e] * I;
-        }
-        for (int k0 = lane * 8; k0 < I; k0 += 2 * 256) {   /* 2 chunks of all 8 experts in flight */
-            W8 c[8][2];
+        for (int k0 = 0; k0 < I; k0 += 512) {
+            if (a0 || k0) load_group(a0, k0);
 #pragma unroll
             for (int a = 0; a < 8; a++)
 #pragma unroll
-                for (int u = 0; u < 2; u++)
-                    if (a0 + a < na && k0 + u * 256 < I) c[a][u] = load_w8(wrow[a] + k0 + u * 256);
-#pragma unroll
-            for (int a = 0; a < 8; a++)
-#pragma unroll
-                for (int u = 0; u < 2; u++)
-                    if (a0 + a < na && k0 + u * 256 < I) {
+                for (int u = 0; u < 2; u++) {
+                    int k = k0 + (lane + 32 * u) * 8;
+                    if (a0 + a < na && k < I) {
                         float w8[8], x8[8];
                         unpack_w8(c[a][u], experts_down, w8);
-                        load_x8(hrow[a] + k0 + u * 256, x8);
+                        load_x8(h_pair + (size_t)(a0 + a) * I + k, x8);
                         acc[a] += dot8(w8, x8);
                     }
+                }
         }
 #pragma unroll
         for (int a = 0; a < 8; a++)
-            if (a0 + a < na) routed += pair_w[start[active[a0 + a]]] * warp_sum(acc[a]);
+            if (a0 + a < na) routed += pair_w[a0 + a] * warp_sum(acc[a]);
     }
     float sh = 0.0f;
-    for (int k = lane * 8; k < S; k += 256) {
-        float w8[8], x8[8];
-        W8 c = load_w8(always_down + (size_t)j * S + k);
-        unpack_w8(c, always_down, w8);
-        load_x8(hs + k, x8);
-        sh += dot8(w8, x8);
+    for (int k0 = 0; k0 < S; k0 += 512) {
+        if (k0)
+#pragma unroll
+            for (int u = 0; u < 2; u++)
+                if (k0 + (lane + 32 * u) * 8 < S) cs[u] = load_w8(always_down + (size_t)j * S + k0 + (lane + 32 * u) * 8);
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            int k = k0 + (lane + 32 * u) * 8;
+            if (k < S) {
+                float w8[8], x8[8];
+                unpack_w8(cs[u], always_down, w8);
+                load_x8(hs + k, x8);
+                sh += dot8(w8, x8);
+            }
+        }
     }
     sh = warp_sum(sh);
     if (lane == 0) x[j] += sh + routed * scaling;
@@ -1036,6 +1487,8 @@ __global__ void swiglu_kernel(T *act, const float *h, size_t rows, int hid) {
 struct Step { int token, pos; float temperature, topp, coin; int out; };
 
 __global__ void __launch_bounds__(1024) sample_kernel(const float *logits, int V, Step *st) {
+    griddep_wait();
+    griddep_launch();
     __shared__ float red_v[32];
     __shared__ int red_i[32];
     __shared__ float hist[2048];
@@ -1159,6 +1612,9 @@ struct GpuModel {
     int decode_split[2];     /* attention splits per layer type for one token (fixed: the graph is reused) */
     int kv_bf;               /* KV cache in bf16 (the weights' dtype; --kv f32 keeps it in fp32) */
     int attn_scalar;         /* LAGUNA_ATTN_SCALAR=1: the plain attention kernel on bf16 KV (a debug hook) */
+    int pdl;                 /* programmatic dependent launch for the decode kernels (LAGUNA_NO_PDL=1: off) */
+    int pdl_now;             /* set while enqueueing a one-token forward */
+    int fused_split[2];      /* attention_decode_fused splits per layer type */
     int nsm;
     char *wbuf;              /* all weights: one allocation */
     char *kvbuf;             /* all KV caches: one allocation */
@@ -1174,6 +1630,7 @@ struct GpuModel {
     void *x_sorted, *act_sorted;
     int *tokens, *pos, *topk_idx, *start, *pair_tok, *inv, *active, *n_active;
     int *blk_cnt, *tile_start;  /* n > 1 routing: per-block expert counts/offsets [T/ROUTE_TOK + 1, E]; GEMM m-tiles [E + 1] */
+    int *counters;           /* last-block-done counters: [0] router_decode, [1 + kv head] attention_decode */
     size_t part_cap;         /* floats in part_o */
     void **gptr;             /* device pointer arrays for the grouped GEMMs [6 * E] */
     /* host side */
@@ -1358,6 +1815,7 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
     g->kv_bf = g->bf && !m->kv_f32;
     g->attn_scalar = getenv("LAGUNA_ATTN_SCALAR") != NULL;
     g->use_graph = !getenv("LAGUNA_NO_GRAPH");    /* for the test that graph replay equals plain launches */
+    g->pdl = !getenv("LAGUNA_NO_PDL");
     int D = c->head_dim, H = c->dim, KVD = c->kv_dim, T = max_tokens, E = c->n_experts, K = c->n_experts_active;
     for (uint64_t i = 0; i < m->n_tensors; i++)
         if (m->dir[i].dtype != DT_F32 && m->dir[i].dtype != DT_BF16 && strcmp(m->dir[i].name, "tokenizer"))
@@ -1367,6 +1825,8 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
         GFAIL("head_dim %d is not supported by the GPU backend (16, 32, 64 or 128)\n  hint: use --cpu", D);
     if (H % 8 || (E && (c->moe_hidden_dim % 8 || c->shared_hidden_dim % 8)) || c->hidden_dim % 8)
         GFAIL("the GPU backend needs hidden sizes that are multiples of 8\n  hint: use --cpu");
+    if (H > 16384 || c->max_heads * D > 16384)
+        GFAIL("the GPU backend's decode matvec takes inputs of at most 16384\n  hint: use --cpu");
     if (E > 1024 || K > 32) GFAIL("the GPU backend handles at most 1024 experts and top-32\n  hint: use --cpu");
     for (int l = 0; l < c->n_layers; l++) {
         GpuLayer *L = &g->L[l];
@@ -1443,6 +1903,7 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
     ALLOC(g->tokens, T, int);
     ALLOC(g->pos, 1, int);
     ALLOC(g->d_step, 1, Step);
+    ALLOC(g->counters, 1 + c->n_kv_heads, int);
     if (E) {
         ALLOC(g->router_logits, (size_t)T * E, float);
         ALLOC(g->topk_idx, P, int);
@@ -1465,6 +1926,7 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
     }
 #undef ALLOC
     g->actbytes = act0;
+    CUDA_CHECK(cudaMemset(g->counters, 0, (1 + c->n_kv_heads) * sizeof(int)));   /* each user resets its own */
     CUDA_CHECK(cudaMallocHost(&g->h_tokens, T * sizeof(int)));
     CUDA_CHECK(cudaMallocHost(&g->h_logits, (size_t)T * c->vocab_size * sizeof(float)));
     CUDA_CHECK(cudaMallocHost(&g->h_step, sizeof(Step)));
@@ -1475,12 +1937,14 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
     /* attention splits for one token: sliding layers see at most W keys, full layers up to ctx */
     g->decode_split[ATTN_FULL] = split_for(g, ctx, 1, 1);
     g->decode_split[ATTN_SLIDING] = split_for(g, c->sliding_window, 1, 1);
-    size_t dyn = (size_t)(QD > hid ? (QD > H ? QD : H) : (hid > H ? hid : H)) * 4;
-    if (dyn > 48 * 1024) {
-        CUDA_CHECK(cudaFuncSetAttribute(matvec_kernel<bf16, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)dyn));
-        CUDA_CHECK(cudaFuncSetAttribute(matvec_kernel<bf16, 4>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)dyn));
-        CUDA_CHECK(cudaFuncSetAttribute(matvec_kernel<float, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)dyn));
-        CUDA_CHECK(cudaFuncSetAttribute(matvec_kernel<float, 4>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)dyn));
+    /* fused decode attention: tiles of 4096 / D keys; sliding layers one tile per split, full layers up to
+     * ~4 blocks per SM (splits then run several tiles each); at most 128 splits (its merge's shared memory) */
+    {
+        int kt = 4096 / D, most = 4 * g->nsm / c->n_kv_heads;
+        int sw = (c->sliding_window + kt - 1) / kt, fu = (ctx + kt - 1) / kt;
+        g->fused_split[ATTN_SLIDING] = sw < 1 ? 1 : sw > 128 ? 128 : sw;
+        int f = fu < most ? fu : most;
+        g->fused_split[ATTN_FULL] = f < 1 ? 1 : f > 128 ? 128 : f;
     }
     prefill_kernels_setup();
     if (g->use_graph) capture_decode(g);    /* captured once here; replayed at every position */
@@ -1501,7 +1965,7 @@ extern "C" void gpu_free(GpuModel *g) {
     if (g->graph) cudaGraphExecDestroy(g->graph);
     if (g->blas) cublasDestroy(g->blas);
     void *dev[] = {g->wbuf, g->kvbuf, g->x, g->xb, g->qkvg, g->att, g->mlp_h, g->mlp_act, g->act16, g->logits,
-                   g->part_o, g->part_ml, g->tokens, g->pos, g->d_step, g->router_logits, g->topk_idx, g->topk_w,
+                   g->part_o, g->part_ml, g->tokens, g->pos, g->d_step, g->counters, g->router_logits, g->topk_idx, g->topk_w,
                    g->pair_w, g->pair_tok, g->inv, g->start, g->active, g->n_active, g->h_pair, g->hs, g->y_pair,
                    g->ys, g->x_sorted, g->act_sorted, g->gptr, g->blk_cnt, g->tile_start};
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++) if (dev[i]) cudaFree(dev[i]);
@@ -1527,18 +1991,48 @@ static void gemm(GpuModel *g, float *y, int ldy, const void *W, int out, int in,
                               dtype_of(g), in, &beta, y, CUDA_R_32F, ldy, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
 }
 
+/* Launch on the model's stream; while a one-token forward is enqueued (pdl_now), with programmatic dependent
+ * launch, so each kernel's blocks start, and load their weights, while the previous kernel finishes (every
+ * kernel so launched calls griddep_wait() before touching what earlier kernels wrote). */
+template <typename... P, typename... A>
+static void launch(GpuModel *g, void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, A... args) {
+    cudaLaunchAttribute attr;
+    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr.val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = g->stream;
+    cfg.attrs = &attr;
+    cfg.numAttrs = g->pdl_now ? 1 : 0;
+    CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, ((P)args)...));
+}
+
+/* the decode matvec: 8 weight chunks per thread, spread over ROWS rows x NCH chunks per row (in <= 2048 * NCH) */
 template <typename W>
 static void matvec(GpuModel *g, float *out, const void *w, int rows, int in, const float *x, const float *norm_w,
                    float *xb_out, const float *bias, int accumulate) {
-    size_t smem = (size_t)in * 4;
-    if (rows >= 8192) {
-        matvec_kernel<W, 4><<<(rows + 31) / 32, 256, smem, g->stream>>>(out, (const W *)w, rows, in, x, norm_w,
-                                                                        g->c.norm_eps, xb_out, bias, accumulate);
-    } else {
-        matvec_kernel<W, 1><<<(rows + 7) / 8, 256, smem, g->stream>>>(out, (const W *)w, rows, in, x, norm_w,
-                                                                      g->c.norm_eps, xb_out, bias, accumulate);
-    }
-    LAUNCH_CHECK();
+#define MV(R, N) launch(g, matvec_kernel<W, R, N>, dim3((rows + R - 1) / R), dim3(256), 0, out, (const W *)w, rows, in, \
+                        x, norm_w, g->c.norm_eps, xb_out, bias, accumulate)
+    /* in <= 2048: a warp per row, 2 rows per warp (x staged once per 16 rows). Measured on the H200 in the
+     * decode graph (dev/gpu_notes.md, round 2): 317 tok/s with 2 rows per warp, 311 with 4, 292 with 1,
+     * 309 with the block-rows kernel below; the block-rows kernel wins for the 8192-wide o_proj */
+#define MVW(R) launch(g, matvec_warp<W, 8, R>, dim3((rows + 8 * R - 1) / (8 * R)), dim3(256), 0, out, (const W *)w, rows, \
+                      in, x, norm_w, g->c.norm_eps, xb_out, bias, accumulate)
+    if (in <= 2048) MVW(2);
+#undef MVW
+    else if (in <= 4096) MV(4, 2);
+    else if (in <= 8192) MV(2, 4);
+    else MV(1, 8);
+#undef MV
+}
+
+/* one token with the fused decode attention (q/k norm and RoPE inside): group <= 8, D a power of two 16..128 */
+static int fused_decode_attention(const GpuModel *g, int l, int n) {
+    int D = g->c.head_dim;
+    return n == 1 && g->L[l].nh / g->c.n_kv_heads <= 8 && !g->attn_scalar &&
+           (D == 16 || D == 32 || D == 64 || D == 128);
 }
 
 static void attention(GpuModel *g, int l, int n, int pos) {
@@ -1549,6 +2043,20 @@ static void attention(GpuModel *g, int l, int n, int pos) {
     float scale_log2 = 1.4426950408889634f / sqrtf((float)D);
     const int *pos_ptr = g->pos;
     int nsplit = 1;
+    if (fused_decode_attention(g, l, n)) {
+        /* one token: q/k norm, RoPE, the K/V append, split-K attention, merge and gate in one launch */
+        nsplit = g->fused_split[c->layer_type[l]];
+        int gate_off = L->nh * D + 2 * c->kv_dim, t = c->layer_type[l];
+#define FUSED(KV, DD) launch(g, attention_decode_fused<KV, DD>, dim3(nkv, nsplit), dim3(256), 0, (const float *)g->qkvg, \
+        gq, L->nh, nkv, (KV *)L->kc, (KV *)L->vc, L->rows, c->kv_dim, pos_ptr, window, nsplit, (const float *)L->q_norm, \
+        (const float *)L->k_norm, (const float *)g->inv_freq[t], c->rotary_dim[t], c->rope_scaling[t], c->norm_eps, \
+        g->part_o, g->part_ml, g->counters + 1, g->att, gate_off, c->gate_per_head, scale_log2)
+#define FUSED_D(KV) switch (D) { case 16: FUSED(KV, 16); break; case 32: FUSED(KV, 32); break; case 64: FUSED(KV, 64); break; default: FUSED(KV, 128); }
+        if (g->kv_bf) FUSED_D(bf16) else FUSED_D(float)
+#undef FUSED_D
+#undef FUSED
+        return;
+    }
     if (!g->kv_bf) {
         attention_scalar<float><<<dim3(n, L->nh), 32, 0, g->stream>>>(g->qkvg, L->NQ, n, gq, L->nh, D,
             (const float *)L->kc, (const float *)L->vc, L->rows, c->kv_dim, pos_ptr, window, g->part_o, g->part_ml, scale_log2);
@@ -1580,29 +2088,40 @@ static void mlp_decode(GpuModel *g, int l) {
     const Config *c = &g->c;
     GpuLayer *L = &g->L[l];
     int H = c->dim, I = c->moe_hidden_dim, K = c->n_experts_active;
+    /* gate/up: the one-token kernel (H <= 2048) or the general one; the always-on matrix's blocks first */
+#define GATE_UP(EGU, NI, KA) do { \
+        if (H <= 2048) launch(g, moe_gate_up_decode<W, 8>, dim3((L->hid + 7) / 8 + (KA) * ((I + 7) / 8)), dim3(256), 0, \
+                              (const W *)(EGU), I, (const W *)L->gate_up, L->hid, H, (const float *)g->xb, \
+                              (const int *)g->active, (const int *)(NI), g->h_pair, (KA) ? g->hs : g->mlp_act); \
+        else launch(g, moe_gate_up<W>, dim3((KA) * ((I + 7) / 8) + (L->hid + 7) / 8), dim3(256), 0, (const W *)(EGU), I, \
+                    (const W *)L->gate_up, L->hid, H, (const float *)g->xb, 1, (const int *)g->start, \
+                    (const int *)g->pair_tok, (const int *)g->active, (const int *)(NI), KA, g->h_pair, \
+                    (KA) ? g->hs : g->mlp_act); \
+    } while (0)
     if (L->dense) {
-        rmsnorm_kernel<<<1, 256, 0, g->stream>>>(g->xb, g->x, H, L->ffn_norm, H, c->norm_eps);
-        LAUNCH_CHECK();
-        moe_gate_up<W><<<(L->hid + 7) / 8, 256, 0, g->stream>>>(NULL, 0, (const W *)L->gate_up, L->hid, H, g->xb, 1,
-            NULL, NULL, NULL, NULL, 0, NULL, g->mlp_act);
-        LAUNCH_CHECK();
-        moe_down_decode<W><<<(H + 7) / 8, 256, 0, g->stream>>>(g->x, NULL, 0, (const W *)L->down, L->hid, H, NULL, NULL,
-            NULL, NULL, NULL, g->mlp_act, 0.0f);
-        LAUNCH_CHECK();
+        launch(g, rmsnorm_kernel, dim3(1), dim3(256), 0, g->xb, (const float *)g->x, H, (const float *)L->ffn_norm, H,
+               c->norm_eps);
+        GATE_UP(NULL, NULL, 0);
+        launch(g, moe_down_decode<W>, dim3((H + 7) / 8), dim3(256), 0, g->x, (const W *)NULL, 0, (const W *)L->down,
+               L->hid, H, NULL, NULL, NULL, NULL, (const float *)g->mlp_act, 0.0f);
         return;
     }
-    /* route: router logits from the normed x (the norm is folded into the matvec, which also leaves xb) */
-    matvec<W>(g, g->router_logits, L->router, c->n_experts, H, g->x, L->ffn_norm, g->xb, NULL, 0);
-    route_plan<<<1, 256, 2 * c->n_experts * sizeof(int), g->stream>>>(g->router_logits, L->expert_bias, 1, c->n_experts,
-        K, c->router_softcap, g->topk_idx, g->topk_w, g->start, g->pair_tok, g->pair_w, g->inv, g->active, g->n_active);
-    LAUNCH_CHECK();
-    int nbI = (I + 7) / 8;
-    moe_gate_up<W><<<K * nbI + (L->hid + 7) / 8, 256, 0, g->stream>>>((const W *)L->experts_gate_up, I,
-        (const W *)L->gate_up, L->hid, H, g->xb, 1, g->start, g->pair_tok, g->active, g->n_active, K, g->h_pair, g->hs);
-    LAUNCH_CHECK();
-    moe_down_decode<W><<<(H + 7) / 8, 256, 0, g->stream>>>(g->x, (const W *)L->experts_down, I, (const W *)L->down,
-        L->hid, H, g->active, g->n_active, g->start, g->pair_w, g->h_pair, g->hs, c->routed_scaling);
-    LAUNCH_CHECK();
+    /* route: router logits from the normed x (the norm folded into the matvec, which also leaves xb) and the
+     * top-k plan, one launch */
+#define ROUTE(N) launch(g, router_decode<W, N>, dim3((c->n_experts + 1) / 2), dim3(256), 0, g->router_logits, \
+        (const W *)L->router, c->n_experts, H, (const float *)g->x, (const float *)L->ffn_norm, c->norm_eps, g->xb, \
+        (const float *)L->expert_bias, K, c->router_softcap, g->topk_idx, g->topk_w, g->start, g->pair_tok, \
+        g->pair_w, g->inv, g->active, g->n_active, g->counters)
+    if (H <= 2048) ROUTE(1);
+    else if (H <= 4096) ROUTE(2);
+    else if (H <= 8192) ROUTE(4);
+    else ROUTE(8);
+#undef ROUTE
+    GATE_UP(L->experts_gate_up, g->n_active, K);
+#undef GATE_UP
+    launch(g, moe_down_decode<W>, dim3((H + 7) / 8), dim3(256), 0, g->x, (const W *)L->experts_down, I,
+           (const W *)L->down, L->hid, H, (const int *)g->active, (const int *)g->n_active, (const float *)g->pair_w,
+           (const float *)g->h_pair, (const float *)g->hs, c->routed_scaling);
 }
 
 /* the shared expert of n tokens: plain GEMMs over all tokens */
@@ -1730,8 +2249,10 @@ template <typename W>
 static void forward_gpu(GpuModel *g, int n, int pos, int all_logits) {
     const Config *c = &g->c;
     int H = c->dim, D = c->head_dim, V = c->vocab_size;
+    g->pdl_now = 0;        /* the embedding follows the step's parameter copies: a plain launch */
     embed_kernel<W><<<n, 256, 0, g->stream>>>(g->x, (const W *)g->embed, g->tokens, H);
     LAUNCH_CHECK();
+    g->pdl_now = g->pdl && n == 1;
     for (int l = 0; l < c->n_layers; l++) {
         GpuLayer *L = &g->L[l];
         int type = c->layer_type[l], QD = L->nh * D;
@@ -1748,15 +2269,13 @@ static void forward_gpu(GpuModel *g, int n, int pos, int all_logits) {
             }
         }
         dim3 rg(n, (L->nh + 2 * c->n_kv_heads + 3) / 4);
-        if (g->kv_bf)
-            qk_norm_rope_kernel<bf16><<<rg, 128, 0, g->stream>>>(g->qkvg, L->NQ, L->nh, c->n_kv_heads, D, L->q_norm,
-                L->k_norm, g->inv_freq[type], c->rotary_dim[type], c->rope_scaling[type], (bf16 *)L->kc, (bf16 *)L->vc,
-                L->rows, g->pos, c->norm_eps);
-        else
-            qk_norm_rope_kernel<float><<<rg, 128, 0, g->stream>>>(g->qkvg, L->NQ, L->nh, c->n_kv_heads, D, L->q_norm,
-                L->k_norm, g->inv_freq[type], c->rotary_dim[type], c->rope_scaling[type], (float *)L->kc, (float *)L->vc,
-                L->rows, g->pos, c->norm_eps);
-        LAUNCH_CHECK();
+#define QKR(KV) launch(g, qk_norm_rope_kernel<KV>, rg, dim3(128), 0, g->qkvg, L->NQ, L->nh, c->n_kv_heads, D, \
+        (const float *)L->q_norm, (const float *)L->k_norm, (const float *)g->inv_freq[type], c->rotary_dim[type], \
+        c->rope_scaling[type], (KV *)L->kc, (KV *)L->vc, L->rows, (const int *)g->pos, c->norm_eps)
+        if (fused_decode_attention(g, l, n)) {}     /* done inside the attention kernel */
+        else if (g->kv_bf) QKR(bf16);
+        else QKR(float);
+#undef QKR
         attention(g, l, n, pos);
         /* o_proj straight into the residual stream */
         if (n == 1) matvec<W>(g, g->x, L->wo, H, QD, g->att, NULL, NULL, L->bo, 1);
@@ -1779,10 +2298,13 @@ static void forward_gpu(GpuModel *g, int n, int pos, int all_logits) {
     }
     /* final norm and lm_head (every row, or the last) */
     int rows = all_logits ? n : 1, first = all_logits ? 0 : n - 1;
+    if (rows == 1) {   /* the final norm folded into the matvec */
+        matvec<W>(g, g->logits, g->lm_head, V, H, g->x + (size_t)first * H, g->final_norm, NULL, NULL, 0);
+        return;
+    }
     rmsnorm_kernel<<<rows, 256, 0, g->stream>>>(g->xb, g->x + (size_t)first * H, H, g->final_norm, H, c->norm_eps);
     LAUNCH_CHECK();
-    if (rows == 1) matvec<W>(g, g->logits, g->lm_head, V, H, g->xb, NULL, NULL, NULL, 0);
-    else gemm(g, g->logits, V, g->lm_head, V, H, g->xb, rows, 0.0f);
+    gemm(g, g->logits, V, g->lm_head, V, H, g->xb, rows, 0.0f);
 }
 
 static void forward_any(GpuModel *g, int n, int pos, int all_logits) {
@@ -1815,8 +2337,8 @@ static void enqueue_decode(GpuModel *g) {
     CUDA_CHECK(cudaMemcpyAsync(g->tokens, &g->d_step->token, sizeof(int), cudaMemcpyDeviceToDevice, g->stream));
     CUDA_CHECK(cudaMemcpyAsync(g->pos, &g->d_step->pos, sizeof(int), cudaMemcpyDeviceToDevice, g->stream));
     forward_any(g, 1, 0, 0);
-    sample_kernel<<<1, 1024, 0, g->stream>>>(g->logits, g->c.vocab_size, g->d_step);
-    LAUNCH_CHECK();
+    launch(g, sample_kernel, dim3(1), dim3(1024), 0, (const float *)g->logits, g->c.vocab_size, g->d_step);
+    g->pdl_now = 0;
     CUDA_CHECK(cudaMemcpyAsync(&g->h_step->out, &g->d_step->out, sizeof(int), cudaMemcpyDeviceToHost, g->stream));
 }
 

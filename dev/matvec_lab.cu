@@ -5,14 +5,113 @@
  * weights rotated across copies (several times the 60 MB L2), reported in GB/s against the measured
  * device-to-device copy bandwidth:
  *   A  cuBLAS GemmEx with n = 1 (bf16 x bf16 -> f32; x rounded to bf16)
- *   B  laguna.cu matvec_kernel<bf16, 1>: a warp per row, 4 x 16-byte loads in flight per lane
- *   C  laguna.cu matvec_kernel<bf16, 4>: a warp per 4 rows (fewer blocks re-reading x)
+ *   B  the previous laguna.cu kernel (kept here): a warp per row, x staged in shared memory, 8 loads in flight
+ *   C  laguna.cu matvec_kernel (block rows, round 1): a block owns whole rows, each thread the same 8-column chunks
+ *      of them (x in registers, the weight loads issued before anything else); laguna.cu keeps it for in > 2048
+ *   D1/D2/D4  laguna.cu matvec_warp (round 2, in <= 2048): a warp per row, 1/2/4 rows per warp, x staged once per
+ *      block, the first row's loads before anything else (laguna.cu uses 2 rows per warp: the fastest
+ *      in the decode graph, dev/gpu_notes.md round 2)
+ * "lm_head + norm" runs C and D with the final RMSNorm folded in (A and B without it).
  * and the MoE decode pair of laguna.cu (8 routed experts + shared expert: gate/up in one launch, down + weighted
  * sum in one launch) against one cuBLAS GEMM per expert matrix. Only the winners live in laguna.cu. */
 #include "../laguna.cu"
 
 #include <algorithm>
 #include <vector>
+
+/* B: the warp-per-row kernel laguna.cu used until 2026-12 (R = 1), for comparison */
+__global__ void __launch_bounds__(256) matvec_warp_row(float *out, const bf16 *w, int rows, int in, const float *x) {
+    extern __shared__ float xs[];
+    for (int i = threadIdx.x; i < in; i += blockDim.x) xs[i] = x[i];
+    __syncthreads();
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, r = blockIdx.x * 8 + warp;
+    if (r >= rows) return;
+    const bf16 *wr = w + (size_t)r * in;
+    float acc = 0.0f;
+    int k = lane * 8;
+    for (; k + 7 * 256 < in; k += 8 * 256) {
+        W8 c[8];
+#pragma unroll
+        for (int u = 0; u < 8; u++) c[u] = load_w8(wr + k + u * 256);
+#pragma unroll
+        for (int u = 0; u < 8; u++) { float xv[8], wv[8]; load_x8(xs + k + u * 256, xv); unpack_w8(c[u], wr, wv); acc += dot8(wv, xv); }
+    }
+    for (; k < in; k += 256) { float xv[8], wv[8]; load_x8(xs + k, xv); W8 c = load_w8(wr + k); unpack_w8(c, wr, wv); acc += dot8(wv, xv); }
+    acc = warp_sum(acc);
+    if (lane == 0) out[r] = acc;
+}
+
+/* round 1 moe_down_decode (kept for comparison): one token: all down projections of a layer in one launch with the weighted sum and the residual:
+ * x[j] += always_down[j] . hs + scaling * sum_a w_a * down_{e_a}[j] . h_a, experts in ascending id (the CPU's
+ * order). One warp per output row; the 8 experts' rows are all in flight together. */
+template <typename W>
+__global__ void __launch_bounds__(256, 2) moe_down_decode_r1(float *x, const W *experts_down, int I, const W *always_down,
+                                                       int S, int H, const int *active, const int *n_active,
+                                                       const int *start, const float *pair_w, const float *h_pair,
+                                                       const float *hs, float scaling) {
+    griddep_wait();
+    griddep_launch();
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, j = blockIdx.x * 8 + warp;
+    if (j >= H) return;
+    float routed = 0.0f;
+    int na = n_active ? *n_active : 0;
+    for (int a0 = 0; a0 < na; a0 += 8) {
+        float acc[8] = {};
+        const W *wrow[8];
+        const float *hrow[8];
+#pragma unroll
+        for (int a = 0; a < 8; a++) {
+            int e = a0 + a < na ? active[a0 + a] : active[a0];
+            wrow[a] = experts_down + ((size_t)e * H + j) * I;
+            hrow[a] = h_pair + (size_t)start[e] * I;
+        }
+        for (int k0 = lane * 8; k0 < I; k0 += 2 * 256) {   /* 2 chunks of all 8 experts in flight */
+            W8 c[8][2];
+#pragma unroll
+            for (int a = 0; a < 8; a++)
+#pragma unroll
+                for (int u = 0; u < 2; u++)
+                    if (a0 + a < na && k0 + u * 256 < I) c[a][u] = load_w8(wrow[a] + k0 + u * 256);
+#pragma unroll
+            for (int a = 0; a < 8; a++)
+#pragma unroll
+                for (int u = 0; u < 2; u++)
+                    if (a0 + a < na && k0 + u * 256 < I) {
+                        float w8[8], x8[8];
+                        unpack_w8(c[a][u], experts_down, w8);
+                        load_x8(hrow[a] + k0 + u * 256, x8);
+                        acc[a] += dot8(w8, x8);
+                    }
+        }
+#pragma unroll
+        for (int a = 0; a < 8; a++)
+            if (a0 + a < na) routed += pair_w[start[active[a0 + a]]] * warp_sum(acc[a]);
+    }
+    float sh = 0.0f;
+    for (int k = lane * 8; k < S; k += 256) {
+        float w8[8], x8[8];
+        W8 c = load_w8(always_down + (size_t)j * S + k);
+        unpack_w8(c, always_down, w8);
+        load_x8(hs + k, x8);
+        sh += dot8(w8, x8);
+    }
+    sh = warp_sum(sh);
+    if (lane == 0) x[j] += sh + routed * scaling;
+}
+
+/* D: laguna.cu's warp-per-row decode matvec with R rows per warp */
+static void matvec_d(int R, float *y, const bf16 *w, int rows, int in, const float *x, const float *nw) {
+#define MVD(RR) matvec_warp<bf16, 8, RR><<<(rows + 8 * RR - 1) / (8 * RR), 256>>>(y, w, rows, in, x, nw, 1e-6f, NULL, NULL, 0)
+    if (R == 1) MVD(1); else if (R == 2) MVD(2); else MVD(4);
+#undef MVD
+}
+
+/* C: laguna.cu's decode matvec with the ROWS / NCH choice of its host launcher */
+static void matvec_new(float *y, const bf16 *w, int rows, int in, const float *x, const float *nw) {
+#define MVL(R, N) matvec_kernel<bf16, R, N><<<(rows + R - 1) / R, 256>>>(y, w, rows, in, x, nw, 1e-6f, NULL, NULL, 0)
+    if (in <= 2048) MVL(8, 1); else if (in <= 4096) MVL(4, 2); else if (in <= 8192) MVL(2, 4); else MVL(1, 8);
+#undef MVL
+}
 
 static float bf(uint16_t b) { uint32_t u = (uint32_t)b << 16; float f; memcpy(&f, &u, 4); return f; }
 
@@ -45,11 +144,14 @@ int main() {
     double copy_bw = 2.0 * cb / (tm.stop_us(10) * 1e-6);
     CUDA_CHECK(cudaFree(c0)); CUDA_CHECK(cudaFree(c1));
     printf("device-to-device copy: %.2f TB/s (read + write)\n\n", copy_bw / 1e12);
-    printf("| matvec | rows x in | MB | A cuBLAS us | GB/s | B warp/row us | GB/s | C warp/4 rows us | GB/s | max rel err A/B/C |\n");
-    printf("|---|---|---|---|---|---|---|---|---|---|\n");
-    struct { const char *name; int rows, in; } shapes[] = {
-        {"q/k/v/g fused (sliding)", 10304, 2048}, {"q/k/v/g fused (full)", 8240, 2048}, {"o_proj (sliding)", 2048, 8192},
-        {"router", 256, 2048}, {"dense gate+up", 16384, 2048}, {"lm_head", 100352, 2048}, {"one expert gate+up", 1024, 2048}};
+    /* the warp-per-row kernel stages up to 8192 floats of x */
+    CUDA_CHECK(cudaFuncSetAttribute(matvec_warp_row, cudaFuncAttributeMaxDynamicSharedMemorySize, 8192 * 4));
+    printf("| matvec | rows x in | MB | A cuBLAS us | B warp/row r0 us | C block rows us | D1 us | D2 us | D4 us | best GB/s | max rel err A..D4 |\n");
+    printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
+    struct { const char *name; int rows, in, norm; } shapes[] = {
+        {"q/k/v/g fused (sliding)", 10304, 2048, 0}, {"q/k/v/g fused (full)", 8240, 2048, 0}, {"o_proj (sliding)", 2048, 8192, 0},
+        {"router", 256, 2048, 0}, {"dense gate+up", 16384, 2048, 0}, {"lm_head", 100352, 2048, 0},
+        {"lm_head + norm", 100352, 2048, 1}, {"one expert gate+up", 1024, 2048, 0}};
     for (auto &s : shapes) {
         size_t n = (size_t)s.rows * s.in, bytes = n * 2;
         int copies = (int)((1536ull << 20) / bytes) + 1;
@@ -58,39 +160,58 @@ int main() {
         random_bf16(hw, s.rows * 31 + s.in, sqrtf(3.0f / s.in));
         std::vector<float> hx(s.in), ref(s.rows);
         for (int i = 0; i < s.in; i++) hx[i] = random_weight(99, s.rows, i, 1.0f);
-        for (int r = 0; r < s.rows; r++) { double a = 0; for (int k = 0; k < s.in; k++) a += (double)bf(hw[(size_t)r * s.in + k]) * hx[k]; ref[r] = (float)a; }
-        bf16 *dw; float *dx, *dy; bf16 *dx16;
+        std::vector<float> hn(s.in), xr(hx);                /* the norm weight, and x as the C/D kernels see it */
+        for (int i = 0; i < s.in; i++) hn[i] = 1.0f + random_weight(98, s.rows, i, 0.5f);
+        if (s.norm) {
+            double ss = 0; for (int i = 0; i < s.in; i++) ss += (double)hx[i] * hx[i];
+            double inv = 1.0 / sqrt(ss / s.in + 1e-6);
+            for (int i = 0; i < s.in; i++) xr[i] = (float)(hn[i] * (hx[i] * inv));
+        }
+        for (int r = 0; r < s.rows; r++) { double a = 0; for (int k = 0; k < s.in; k++) a += (double)bf(hw[(size_t)r * s.in + k]) * xr[k]; ref[r] = (float)a; }
+        bf16 *dw; float *dx, *dy, *dn; bf16 *dx16;
+        CUDA_CHECK(cudaMalloc(&dn, s.in * 4));
+        CUDA_CHECK(cudaMemcpy(dn, hn.data(), s.in * 4, cudaMemcpyHostToDevice));
+        const float *nw = s.norm ? dn : NULL;
         CUDA_CHECK(cudaMalloc(&dw, bytes * copies));
         for (int c = 0; c < copies; c++) CUDA_CHECK(cudaMemcpy((char *)dw + c * bytes, hw.data(), bytes, cudaMemcpyHostToDevice));
         CUDA_CHECK(cudaMalloc(&dx, s.in * 4)); CUDA_CHECK(cudaMalloc(&dx16, s.in * 2)); CUDA_CHECK(cudaMalloc(&dy, s.rows * 4));
         CUDA_CHECK(cudaMemcpy(dx, hx.data(), s.in * 4, cudaMemcpyHostToDevice));
         convert<float, bf16><<<64, 256>>>(dx16, dx, s.in);
-        float us[3], err[3];
-        for (int v = 0; v < 3; v++) {
+        float us[6], err[6];
+        for (int v = 0; v < 6; v++) {
+            if (v >= 3 && s.in > 2048) { us[v] = err[v] = 0; continue; }
             auto launch = [&](int c) {
                 const bf16 *w = dw + (size_t)c * n;
                 const float one = 1, zero = 0;
                 if (v == 0) CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, s.rows, 1, s.in, &one, w, CUDA_R_16BF, s.in, dx16, CUDA_R_16BF, s.in, &zero, dy, CUDA_R_32F, s.rows, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-                else if (v == 1) matvec_kernel<bf16, 1><<<(s.rows + 7) / 8, 256, s.in * 4>>>(dy, w, s.rows, s.in, dx, NULL, 0, NULL, NULL, 0);
-                else matvec_kernel<bf16, 4><<<(s.rows + 31) / 32, 256, s.in * 4>>>(dy, w, s.rows, s.in, dx, NULL, 0, NULL, NULL, 0);
+                else if (v == 1) matvec_warp_row<<<(s.rows + 7) / 8, 256, s.in * 4>>>(dy, w, s.rows, s.in, dx);
+                else if (v == 2) matvec_new(dy, w, s.rows, s.in, dx, nw);
+                else matvec_d(v == 3 ? 1 : v == 4 ? 2 : 4, dy, w, s.rows, s.in, dx, nw);
                 LAUNCH_CHECK();
             };
             CUDA_CHECK(cudaMemset(dy, 0xff, s.rows * 4));   /* poison: every row must be written */
             launch(0);
+            if (s.norm && v < 2) { err[v] = 0; goto timing; }       /* no norm in A and B: only timed */
+            {
             std::vector<float> got(s.rows);
             CUDA_CHECK(cudaMemcpy(got.data(), dy, s.rows * 4, cudaMemcpyDeviceToHost));
             double num = 0, den = 0;
             for (int r = 0; r < s.rows; r++) { num += (got[r] - ref[r]) * (double)(got[r] - ref[r]); den += (double)ref[r] * ref[r]; }
             err[v] = (float)sqrt(num / den);
+            }
+        timing:
             for (int c = 0; c < copies; c++) launch(c);
             int reps = 200;
             tm.start();
             for (int i = 0; i < reps; i++) launch(i % copies);
             us[v] = tm.stop_us(reps);
         }
-        printf("| %s | %d x %d | %.1f | %.1f | %.0f | %.1f | %.0f | %.1f | %.0f | %.1e/%.1e/%.1e |\n", s.name, s.rows, s.in,
-               bytes / 1e6, us[0], bytes / us[0] / 1e3, us[1], bytes / us[1] / 1e3, us[2], bytes / us[2] / 1e3, err[0], err[1], err[2]);
-        CUDA_CHECK(cudaFree(dw)); CUDA_CHECK(cudaFree(dx)); CUDA_CHECK(cudaFree(dx16)); CUDA_CHECK(cudaFree(dy));
+        float best = 1e30f;
+        for (int v = 1; v < 6; v++) if (us[v] > 0 && us[v] < best) best = us[v];
+        printf("| %s | %d x %d | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.0f | %.1e/%.1e/%.1e/%.1e/%.1e/%.1e |\n",
+               s.name, s.rows, s.in, bytes / 1e6, us[0], us[1], us[2], us[3], us[4], us[5], bytes / best / 1e3,
+               err[0], err[1], err[2], err[3], err[4], err[5]);
+        CUDA_CHECK(cudaFree(dn)); CUDA_CHECK(cudaFree(dw)); CUDA_CHECK(cudaFree(dx)); CUDA_CHECK(cudaFree(dx16)); CUDA_CHECK(cudaFree(dy));
     }
 
     /* MoE decode: 8 routed experts (of 256) + shared expert, H 2048, I = S = 512 */
@@ -133,10 +254,13 @@ int main() {
             CUDA_CHECK(cudaMemcpy(actives + p * E, sorted.data(), K * 4, cudaMemcpyHostToDevice));
         }
         double bytes_gu = (double)(K + 1) * 2 * I * H * 2, bytes_dn = (double)(K + 1) * H * I * 2;
+        int round = 1;          /* 1: round-1 kernels (moe_gate_up, moe_down_decode_r1), 2: round 2 (laguna.cu now) */
         auto ours = [&](int p, int which) {
             const int *st = starts + p * (E + 1), *ac = actives + p * E;
-            if (which == 0) moe_gate_up<bf16><<<K * (I / 8) + S / 8, 256>>>(gu, I, sgu, S, H, xb, 1, st, ptok, ac, nact, K, hp, hs);
-            else moe_down_decode<bf16><<<H / 8, 256>>>(x, dn, I, sdn, S, H, ac, nact, st, pw, hp, hs, 2.5f);
+            if (which == 0 && round == 1) moe_gate_up<bf16><<<K * (I / 8) + S / 8, 256>>>(gu, I, sgu, S, H, xb, 1, st, ptok, ac, nact, K, hp, hs);
+            else if (which == 0) moe_gate_up_decode<bf16, 8><<<S / 8 + K * (I / 8), 256>>>(gu, I, sgu, S, H, xb, ac, nact, hp, hs);
+            else if (round == 1) moe_down_decode_r1<bf16><<<H / 8, 256>>>(x, dn, I, sdn, S, H, ac, nact, st, pw, hp, hs, 2.5f);
+            else moe_down_decode<bf16><<<H / 8, 256>>>(x, dn, I, sdn, S, H, ac, nact, pw, hp, hs, 2.5f);
             LAUNCH_CHECK();
         };
         /* cuBLAS alternative: one GEMM (n = 1) per expert matrix */
@@ -157,8 +281,10 @@ int main() {
                 }
             }
         };
-        printf("\n| MoE decode step (8 routed + shared) | MB | laguna.cu us | GB/s | cuBLAS per expert us | GB/s |\n|---|---|---|---|---|---|\n");
-        for (int which = 0; which < 2; which++) {
+        printf("\n| MoE decode step (8 routed + shared) | MB | kernels | laguna.cu us | GB/s | cuBLAS per expert us | GB/s |\n|---|---|---|---|---|---|---|\n");
+        for (int it = 0; it < 4; it++) {
+            int which = it / 2;
+            round = 1 + it % 2;
             double b = which ? bytes_dn : bytes_gu;
             for (int p = 0; p < nplans; p++) ours(p, which);
             int reps = 200;
@@ -169,8 +295,8 @@ int main() {
             tm.start();
             for (int i = 0; i < reps; i++) blas(i % nplans, which);
             float t_blas = tm.stop_us(reps);
-            printf("| %s | %.1f | %.1f | %.0f | %.1f | %.0f |\n", which ? "down + weighted sum" : "gate + up + SwiGLU", b / 1e6,
-                   t_ours, b / t_ours / 1e3, t_blas, b / t_blas / 1e3);
+            printf("| %s | %.1f | round %d | %.1f | %.0f | %.1f | %.0f |\n", which ? "down + weighted sum" : "gate + up + SwiGLU", b / 1e6,
+                   round, t_ours, b / t_ours / 1e3, t_blas, b / t_blas / 1e3);
         }
         /* check the gate/up kernel against a host reference for plan 0 */
         ours(0, 0);
@@ -189,6 +315,19 @@ int main() {
             }
         }
         printf("gate/up check vs double reference: rel err %.1e\n", sqrt(num / den));
+        /* down: round 2 must equal round 1 bit for bit (same sums in the same order), from the same x */
+        {
+            std::vector<float> x0(H), x1(H), x2(H);
+            CUDA_CHECK(cudaMemcpy(x0.data(), x, H * 4, cudaMemcpyDeviceToHost));
+            round = 1; ours(0, 1);
+            CUDA_CHECK(cudaMemcpy(x1.data(), x, H * 4, cudaMemcpyDeviceToHost));
+            CUDA_CHECK(cudaMemcpy(x, x0.data(), H * 4, cudaMemcpyHostToDevice));
+            round = 2; ours(0, 1);
+            CUDA_CHECK(cudaMemcpy(x2.data(), x, H * 4, cudaMemcpyDeviceToHost));
+            int diff = 0;
+            for (int i = 0; i < H; i++) diff += x1[i] != x2[i];
+            printf("down check: round 2 == round 1 on %d of %d rows\n", H - diff, H);
+        }
     }
     return 0;
 }

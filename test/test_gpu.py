@@ -125,8 +125,10 @@ def test_gpu_graph_equals_plain_launches(laguna_gpu, exported, name):
         args = [laguna_gpu, exported(name), "--ids", prompt, "-n", "32", "-q", *extra]
         graph = run(args).stdout.split()
         plain = run(args, env=dict(os.environ, LAGUNA_NO_GRAPH="1")).stdout.split()
-        print(f"\n[gpu] {name} {' '.join(extra)}: graph == plain launches: {graph == plain}")
-        assert graph == plain
+        serial = run(args, env=dict(os.environ, LAGUNA_NO_PDL="1")).stdout.split()
+        print(f"\n[gpu] {name} {' '.join(extra)}: graph == plain launches: {graph == plain}, "
+              f"== without programmatic dependent launch: {graph == serial}")
+        assert graph == plain and graph == serial
 
 
 def test_gpu_sampling_seeded_and_greedy_limit(laguna_gpu, exported):
