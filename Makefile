@@ -23,11 +23,14 @@ laguna-debug: $(SRC) $(HDR)
 test: laguna
 	python3 -m pytest -q test/
 
+# the GPU backend, compiled once for the GPU build and the benchmarks
+laguna-cu.o: laguna.cu laguna.h
+	$(NVCC) $(NVCCFLAGS) -c laguna.cu -o $@
+
 # the GPU build: laguna.c with -DLAGUNA_CUDA + tokenizer.c (host compiler) and laguna.cu (nvcc), linked by nvcc
-cuda: laguna.cu $(SRC) $(HDR)
+cuda: laguna-cu.o $(SRC) $(HDR)
 	$(CC) $(CFLAGS) -DLAGUNA_CUDA -c laguna.c -o laguna-gpu.o
 	$(CC) $(CFLAGS) -c tokenizer.c -o tokenizer.o
-	$(NVCC) $(NVCCFLAGS) -c laguna.cu -o laguna-cu.o
 	$(NVCC) $(NVCCFLAGS) laguna-gpu.o tokenizer.o laguna-cu.o -o laguna -lcublas -lm
 
 # compile the GPU backend without a GPU (what CI checks: it has nvcc but no GPU)
@@ -39,23 +42,30 @@ cuda-compile: laguna.cu $(SRC) $(HDR)
 test-gpu:
 	python3 -m pytest -q -s -rs test/test_gpu.py test/test_gpu_fidelity.py
 
-dev/bench_gpu: dev/bench_gpu.c laguna.cu $(SRC) $(HDR)
+dev/bench_gpu: dev/bench_gpu.c laguna-cu.o $(SRC) $(HDR)
 	$(CC) $(CFLAGS) -Wno-unused-function -DLAGUNA_CUDA -c dev/bench_gpu.c -o bench_gpu.o
 	$(CC) $(CFLAGS) -c tokenizer.c -o tokenizer.o
-	$(NVCC) $(NVCCFLAGS) -c laguna.cu -o laguna-cu.o
 	$(NVCC) $(NVCCFLAGS) bench_gpu.o tokenizer.o laguna-cu.o -o $@ -lcublas -lm
+
+# DFlash at the full shapes: the drafter's cost against a decode step, and the projected speedup
+dev/bench_dflash: dev/bench_dflash.c laguna-cu.o $(SRC) $(HDR)
+	$(CC) $(CFLAGS) -Wno-unused-function -DLAGUNA_CUDA -c dev/bench_dflash.c -o bench_dflash.o
+	$(CC) $(CFLAGS) -c tokenizer.c -o tokenizer.o
+	$(NVCC) $(NVCCFLAGS) bench_dflash.o tokenizer.o laguna-cu.o -o $@ -lcublas -lm
 
 dev/matvec_lab: dev/matvec_lab.cu laguna.cu laguna.h
 	$(NVCC) $(NVCCFLAGS) dev/matvec_lab.cu -o $@ -lcublas
 
-bench: dev/bench_gpu dev/matvec_lab
+bench: dev/bench_gpu dev/matvec_lab dev/bench_dflash
 	./dev/matvec_lab
 	python3 export.py -q --synthetic XS-2.1 /dev/shm/xs21.bin
 	./dev/bench_gpu /dev/shm/xs21.bin
+	python3 export.py -q --synthetic XS-2.1-DFlash /dev/shm/xs21-dflash.bin
+	./dev/bench_dflash /dev/shm/xs21.bin /dev/shm/xs21-dflash.bin
 
 .PHONY: clean test cuda cuda-compile test-gpu bench
 clean:
-	rm -f laguna laguna-debug laguna-cuda dev/bench_gpu dev/matvec_lab dev/moe_gemm_lab *.o
+	rm -f laguna laguna-debug laguna-cuda dev/bench_gpu dev/bench_dflash dev/matvec_lab dev/moe_gemm_lab *.o
 
 # tokenizer speed: encode a file, tokens/s on one core (make bench_tokenizer && ./bench_tokenizer MODEL.bin FILE)
 bench_tokenizer: dev/bench_tokenizer.c tokenizer.c tokenizer.h tokenizer_unicode.h

@@ -910,8 +910,8 @@ def plan_drafter(ck, c, want_dtype, say=print):
             r0, r1 = rows[0], rows[1]
             plan.append((out_name, dt, tuple(shape), lambda: iter([convert(ck.array(n, r0, r1), ck.dtype(n), dt)])))
         else:
-            plan.append((out_name, dt, tuple(shape),
-                         lambda: (convert(a, ck.dtype(n), dt) for a in ck.chunks(n))))
+            plan.append((out_name, dt, tuple(shape),          # an int chunk: a hole of a synthetic file
+                         lambda: (a if isinstance(a, int) else convert(a, ck.dtype(n), dt) for a in ck.chunks(n))))
 
     qd, kvd = nh * D, KV * D
     for l in range(L):
@@ -953,10 +953,10 @@ def plan_drafter(ck, c, want_dtype, say=print):
     return plan
 
 
-def export_drafter(hf_dir, cfg, out_path, dtype, ignore_keys, quiet):
+def export_drafter(hf_dir, cfg, out_path, dtype, ignore_keys, quiet, ck=None):
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, file=sys.stderr))
     c = read_drafter_config(hf_dir, cfg, ignore_keys, warn=say)
-    ck = Checkpoint(hf_dir)
+    ck = ck or Checkpoint(hf_dir)
     plan, stats = quantize_plan(plan_drafter(ck, c, dtype if dtype in ("auto", "bf16", "f32") else "auto", say),
                                 dtype, say)
     d = c["dflash"]
@@ -997,6 +997,15 @@ SYNTHETIC = {
                            "original_max_position_embeddings": 4096, "beta_slow": 1.0, "beta_fast": 64.0,
                            "attention_factor": 1.0, "partial_rotary_factor": 0.5},
         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}}),
+    # poolside/Laguna-XS-2.1-DFlash's config.json (shared/spec/dflash.md): the drafter of XS-2.1
+    "XS-2.1-DFlash": dict(model_type="laguna", architectures=["DFlashLagunaForCausalLM"], vocab_size=100352,
+                          hidden_size=2048, intermediate_size=8192, num_hidden_layers=5, num_attention_heads=64,
+                          num_key_value_heads=8, head_dim=128, layer_types=["sliding_attention"] * 5,
+                          sliding_window=512, rms_norm_eps=1e-6, gating="per-head", attention_bias=False,
+                          max_position_embeddings=262144, rope_parameters={"rope_type": "default",
+                                                                           "rope_theta": 500000.0},
+                          dflash_config={"block_size": 16, "mask_token_id": 12, "num_target_layers": 40,
+                                         "target_layer_ids": [1, 13, 25, 33, 39], "causal": True}),
 }
 
 
@@ -1007,6 +1016,9 @@ class SyntheticCheckpoint:
 
     def __init__(self, cfg, fill, seed=0):
         self.fill, self.seed, self.shapes = fill, seed, {}
+        if is_drafter_config(cfg):
+            self.drafter_shapes(cfg)
+            return
         H, D, KV = cfg["hidden_size"], cfg["head_dim"], cfg["num_key_value_heads"]
         E, I, S = cfg["num_experts"], cfg["moe_intermediate_size"], cfg["shared_expert_intermediate_size"]
         F, V = cfg["intermediate_size"], cfg["vocab_size"]
@@ -1030,6 +1042,23 @@ class SyntheticCheckpoint:
                            p + "mlp.shared_expert.gate_proj.weight": (S, H),
                            p + "mlp.shared_expert.up_proj.weight": (S, H),
                            p + "mlp.shared_expert.down_proj.weight": (H, S)})
+        self.where = dict.fromkeys(sh)
+
+    def drafter_shapes(self, cfg):
+        """A DFlash drafter's tensors, as its checkpoint names them (q/k/v split; no embedding or lm_head)."""
+        H, D, KV, nh = cfg["hidden_size"], cfg["head_dim"], cfg["num_key_value_heads"], cfg["num_attention_heads"]
+        F, taps = cfg["intermediate_size"], cfg["dflash_config"]["target_layer_ids"]
+        sh = self.shapes
+        sh.update({"fc.weight": (H, len(taps) * H), "hidden_norm.weight": (H,), "norm.weight": (H,)})
+        sh.update({f"aux_hidden_norms.{i}.weight": (H,) for i in range(len(taps))})
+        for l in range(cfg["num_hidden_layers"]):
+            p = f"layers.{l}."
+            sh.update({p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
+                       p + "self_attn.q_proj.weight": (nh * D, H), p + "self_attn.k_proj.weight": (KV * D, H),
+                       p + "self_attn.v_proj.weight": (KV * D, H), p + "self_attn.o_proj.weight": (H, nh * D),
+                       p + "self_attn.q_norm.weight": (D,), p + "self_attn.k_norm.weight": (D,),
+                       p + "self_attn.g_proj.weight": (nh, H), p + "mlp.gate_proj.weight": (F, H),
+                       p + "mlp.up_proj.weight": (F, H), p + "mlp.down_proj.weight": (H, F)})
         self.where = dict.fromkeys(sh)
 
     def has(self, name):
@@ -1072,8 +1101,13 @@ def export_synthetic(preset, out_path, fill, layers=None, seed=0, quiet=False, d
     raw = json.loads(json.dumps(SYNTHETIC[preset]))
     if layers:
         for k in ("num_attention_heads_per_layer", "layer_types", "mlp_layer_types"):
-            raw[k] = raw[k][:layers]
+            if k in raw:
+                raw[k] = raw[k][:layers]
         raw["num_hidden_layers"] = layers
+    if is_drafter_config(raw):      # a drafter: the same path as a drafter checkpoint
+        say(f"synthetic {preset}: {raw['num_hidden_layers']} layers, weights "
+            f"{'random' if fill == 'random' else 'left as holes'}")
+        return export_drafter(None, raw, out_path, dtype, (), quiet, ck=SyntheticCheckpoint(raw, fill, seed))
     import tempfile
     with tempfile.TemporaryDirectory() as d:
         with open(os.path.join(d, "config.json"), "w") as f:
@@ -1200,7 +1234,8 @@ def main(argv=None):
                     help="accept an unknown config.json key you know does not change the math")
     ap.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
     ap.add_argument("--synthetic", metavar="PRESET", help="write a synthetic model with the exact shapes of "
-                    "PRESET (XS-2.1 or XS.2) instead of converting a checkpoint: OUT is then the only argument")
+                    "PRESET (XS-2.1, XS.2, or the drafter XS-2.1-DFlash) instead of converting a checkpoint: OUT is "
+                    "then the only argument")
     ap.add_argument("--fill", choices=["random", "none"], default="none",
                     help="synthetic weights: random bf16, or none (a sparse file; laguna --random-weights "
                          "fills them on the GPU). Default none")

@@ -996,6 +996,7 @@ static int run_score(Engine *e, DFlash *df, const Options *o) {
         float *logits = engine_forward(e, ids + i, k, i, 1);
         if (lf && fwrite(logits, sizeof(float), (size_t)k * V, lf) != (size_t)k * V) die("write to %s failed", o->logits_out);
         size_t nt = tf ? (size_t)k * e->m->state.n_taps * c->dim : 0;
+        if (tf && e->gpu) gpu_copy_taps(e->gpu, k, e->m->state.taps);
         if (tf && fwrite(e->m->state.taps, sizeof(float), nt, tf) != nt) die("write to %s failed", o->taps_out);
         for (int r = 0; r < k; r++) {
             int t = i + r;                 /* row t predicts token t+1 */
@@ -1088,13 +1089,17 @@ static void report(int n_prompt, double prefill_s, int n_gen, double decode_s) {
  * position P+o); one target forward over [bonus, drafts] verifies them all. The longest prefix the
  * target agrees with is kept, plus the target's own next token; the target cache simply continues from
  * the first rejected position (the ring holds W + max_tokens - 1 rows, so that rollback is safe) and
- * only the accepted positions' taps become new drafter context. */
+ * only the accepted positions' taps become new drafter context.
+ *
+ * One loop for both backends: the steps below (add_context, draft, verify_forward) call the CPU functions here
+ * or their GPU versions in laguna.cu, where the taps stay on the device and, greedy, only token ids cross. */
 
 struct DFlash {
-    Model *d;                /* the drafter; its RunState holds its K/V cache (context + block) */
+    Model *d;                /* the drafter; on the CPU its RunState holds its K/V cache (context + block) */
+    GpuModel *gpu;           /* the drafter on the GPU (its weights and ring cache there), or NULL: the CPU */
     int block;               /* tokens per verify: bonus + up to block-1 drafts */
-    float *cat;              /* [max_tokens, n_taps*H] per-tap normed target states, concatenated */
-    float *ctx;              /* [max_tokens, H] fused context */
+    float *cat;              /* CPU: [max_tokens, n_taps*H] per-tap normed target states, concatenated */
+    float *ctx;              /* CPU: [max_tokens, H] fused context */
     long steps, drafted, accepted;
     long accepted_at[64];    /* verify steps whose draft slot i (0-based) was accepted */
 };
@@ -1134,21 +1139,57 @@ static void drafter_add_context(DFlash *df, const float *taps, int n, int pos) {
     }
 }
 
-/* One drafter forward: [bonus, MASK...] at P..P+nblk-1 -> logits [nblk, V]; drafts are rows 1..nblk-1. */
-static float *draft_block(DFlash *df, int bonus, int P, int nblk) {
-    int toks[64];
+/* Drafter context from rows row0..row0+n-1 of the target's last forward (its taps), at positions pos..pos+n-1. */
+static void add_context(Engine *e, DFlash *df, int row0, int n, int pos) {
+    RunState *s = &e->m->state;
+    if (df->gpu) gpu_drafter_add_context(df->gpu, e->gpu, row0, n, pos);
+    else drafter_add_context(df, s->taps + (size_t)row0 * s->n_taps * e->m->config.dim, n, pos);
+}
+
+/* The drafter's input: [bonus, MASK x (nblk-1)] */
+static void block_tokens(const DFlash *df, int bonus, int nblk, int *toks) {
     toks[0] = bonus;
     for (int o = 1; o < nblk; o++) toks[o] = df->d->config.mask_id;
+}
+
+/* One drafter forward: the block at P..P+nblk-1 -> logits [nblk, V]; drafts are rows 1..nblk-1. */
+static float *draft_block(DFlash *df, int bonus, int P, int nblk) {
+    int toks[64];
+    block_tokens(df, bonus, nblk, toks);
+    if (df->gpu) return gpu_forward(df->gpu, toks, nblk, P, 1);
     return forward(df->d, toks, nblk, P, 1);
 }
 
-/* The target forward that also captures the taps (CPU engine). */
+/* The drafts d[0..nblk-2]: the argmax of block slots 1..nblk-1 (on the GPU computed there: only ids cross). */
+static void draft(DFlash *df, int bonus, int P, int nblk, int *d) {
+    int V = df->d->config.vocab_size, toks[64], top[64];
+    if (df->gpu) {
+        block_tokens(df, bonus, nblk, toks);
+        gpu_forward_argmax(df->gpu, toks, nblk, P, top);
+    } else {
+        float *dl = draft_block(df, bonus, P, nblk);
+        for (int o = 1; o < nblk; o++) top[o] = argmax(dl + (size_t)o * V, V);
+    }
+    for (int o = 1; o < nblk; o++) d[o - 1] = top[o];
+}
+
+/* The target forward that also captures the taps; rows from ctx_from on become drafter context. */
 static float *forward_with_taps(Engine *e, DFlash *df, const int *tokens, int n, int pos, int all_logits,
                                 int ctx_from) {
-    RunState *s = &e->m->state;
-    float *logits = forward(e->m, tokens, n, pos, all_logits);
+    float *logits = engine_forward(e, tokens, n, pos, all_logits);
     int skip = ctx_from > pos ? ctx_from - pos : 0;   /* context older than the drafter's window is never read */
-    if (skip < n) drafter_add_context(df, s->taps + (size_t)skip * s->n_taps * e->m->config.dim, n - skip, pos + skip);
+    if (skip < n) add_context(e, df, skip, n - skip, pos + skip);
+    return logits;
+}
+
+/* The verify forward: the target over the block (taps captured). Greedy needs only each row's argmax, top[j]:
+ * on the GPU only those ids cross to the host, and no logits are returned, unless `rows` asks for the logits
+ * rows (sampling, or --logits tracing). */
+static float *verify_forward(Engine *e, const int *toks, int nblk, int P, int rows, int *top) {
+    if (e->gpu && !rows) { gpu_forward_argmax(e->gpu, toks, nblk, P, top); return NULL; }
+    int V = e->m->config.vocab_size;
+    float *logits = engine_forward(e, toks, nblk, P, 1);
+    for (int j = 0; j < nblk; j++) top[j] = argmax(logits + (size_t)j * V, V);
     return logits;
 }
 
@@ -1192,16 +1233,16 @@ static int sample_from(const float *p, int V, float r) {
     return last;
 }
 
-/* Verify drafts d[0..nd-1] against the target's logits rows [nd+1, V] (row j predicts position P+j+1).
- * Greedy: keep drafts while they equal the target's argmax. Sampling: accept d[j] with probability
- * p_j(d[j]); on a rejection sample from p_j with d[j] removed; this leaves the output distribution exactly
- * the target's (drafts are point masses). Returns the number accepted; *next is the token after them. */
-static int verify(Sampler *sp, const float *logits, const int *d, int nd, int *next) {
+/* Verify drafts d[0..nd-1] against the target's rows [nd+1] (row j predicts position P+j+1).
+ * Greedy: keep drafts while they equal the target's argmax top[j]. Sampling (the logits rows): accept d[j] with
+ * probability p_j(d[j]); on a rejection sample from p_j with d[j] removed; this leaves the output distribution
+ * exactly the target's (drafts are point masses). Returns the number accepted; *next is the token after them. */
+static int verify(Sampler *sp, const float *logits, const int *top, const int *d, int nd, int *next) {
     int V = sp->vocab;
     if (sp->temperature == 0.0f) {
         int acc = 0;
-        while (acc < nd && d[acc] == argmax(logits + (size_t)acc * V, V)) acc++;
-        *next = argmax(logits + (size_t)acc * V, V);
+        while (acc < nd && d[acc] == top[acc]) acc++;
+        *next = top[acc];
         return acc;
     }
     static int biased = -1;          /* test hook: a deliberately wrong rule the statistical test must catch */
@@ -1240,24 +1281,22 @@ static int generate_dflash(Engine *e, DFlash *df, Sampler *sp, Printer *pr, cons
         int nblk = df->block;
         if (nblk > ctx - P) nblk = ctx - P;
         if (nblk > steps - n + 1) nblk = steps - n + 1;    /* no point drafting past -n */
-        int toks[64];
+        int toks[64], top[64] = {0};
         toks[0] = bonus;
-        if (nblk > 1) {
-            float *dl = draft_block(df, bonus, P, nblk);
-            for (int o = 1; o < nblk; o++) toks[o] = argmax(dl + (size_t)o * V, V);
-        }
-        float *tl = forward_with_taps(e, df, toks, nblk, P, 1, P + nblk);   /* taps kept below */
-        int next, acc = verify(sp, tl, toks + 1, nblk - 1, &next);
+        if (nblk > 1) draft(df, bonus, P, nblk, toks + 1);
+        /* the target over the block; its taps are kept for the context below */
+        float *tl = verify_forward(e, toks, nblk, P, sp->temperature > 0.0f || pr->trace, top);
+        int next, acc = verify(sp, tl, top, toks + 1, nblk - 1, &next);
         df->steps++;
         df->drafted += nblk - 1;
         df->accepted += acc;
         for (int j = 0; j < acc; j++) df->accepted_at[j]++;
         /* drafter context: the taps of the committed rows P..P+acc (the bonus and the accepted drafts) */
-        drafter_add_context(df, e->m->state.taps, acc + 1, P);
+        add_context(e, df, 0, acc + 1, P);
         int stop = 0;
         for (int j = 0; j < acc; j++) {          /* the accepted drafts are committed output */
             int tok = toks[1 + j];
-            trace_logits(pr, tl + (size_t)j * V);
+            if (tl) trace_logits(pr, tl + (size_t)j * V);
             if (out_ids) out_ids[n] = tok;
             n++;
             if (is_eos(c, tok)) { stop = 1; break; }
@@ -1265,7 +1304,7 @@ static int generate_dflash(Engine *e, DFlash *df, Sampler *sp, Printer *pr, cons
             if (n >= steps) { stop = 1; break; }
         }
         if (stop) break;
-        trace_logits(pr, tl + (size_t)acc * V);
+        if (tl) trace_logits(pr, tl + (size_t)acc * V);
         P += acc + 1;
         bonus = next;
     }
@@ -1283,8 +1322,10 @@ static void dflash_report(const DFlash *df, double tok_s) {
     fprintf(stderr, "\n");
 }
 
-/* Load the drafter and check that it fits the target. */
-static void dflash_init(DFlash *df, Model *d, const char *path, Model *target, int draft_max, int ctx) {
+static void randomize_weights(Model *m, uint64_t seed);
+
+/* Load the drafter, check that it fits the target, and put it beside the target (on the GPU when gpu is set). */
+static void dflash_init(DFlash *df, Model *d, const char *path, Model *target, GpuModel *gpu, int draft_max, int ctx) {
     char err[1024];
     memset(df, 0, sizeof *df);
     if (load_model(d, path, KIND_DRAFTER, err, sizeof err)) die("%s", err);
@@ -1308,10 +1349,23 @@ static void dflash_init(DFlash *df, Model *d, const char *path, Model *target, i
     df->block = dc->block_size;
     if (draft_max > 0 && draft_max + 1 < df->block) df->block = draft_max + 1;
     if (df->block > 64) df->block = 64;
-    alloc_state(d, ctx, df->block);
-    df->cat = xcalloc((size_t)df->block * dc->n_taps * dc->dim, sizeof(float));
-    df->ctx = xcalloc((size_t)df->block * dc->dim, sizeof(float));
-    /* the target captures the taps of every row it runs */
+    /* rollback is safe when the target's sliding rings hold W + block - 1 rows: they hold W + max_tokens - 1 */
+    if (target->state.max_tokens < df->block && target->state.max_tokens < ctx)
+        die("a verify block of %d tokens does not fit a forward of %d\n  hint: raise --chunk", df->block,
+            target->state.max_tokens);
+    d->random_weights = target->random_weights;     /* --random-weights fills both files */
+    d->random_seed = target->random_seed;
+    if (gpu) {
+        df->gpu = gpu_drafter_init(gpu, d, ctx, df->block, err, sizeof err);
+        if (!df->gpu) die("%s", err);
+    } else {
+        if (d->random_weights) randomize_weights(d, d->random_seed);
+        alloc_state(d, ctx, df->block);
+        df->cat = xcalloc((size_t)df->block * dc->n_taps * dc->dim, sizeof(float));
+        df->ctx = xcalloc((size_t)df->block * dc->dim, sizeof(float));
+    }
+    /* the target captures the taps of every row it runs (on the GPU in device memory; this host copy is what
+     * --taps writes) */
     RunState *ts = &target->state;
     ts->taps = xcalloc((size_t)ts->max_tokens * dc->n_taps * tc->dim, sizeof(float));
     ts->tap_layers = dc->tap_layers;
@@ -1319,6 +1373,7 @@ static void dflash_init(DFlash *df, Model *d, const char *path, Model *target, i
 }
 
 static void dflash_free(DFlash *df) {
+    if (df->gpu) gpu_free(df->gpu);
     free(df->cat);
     free(df->ctx);
     free_model(df->d);
@@ -1598,13 +1653,12 @@ int main(int argc, char **argv) {
     }
 
     char info[256] = "";
-    /* the backend first: it sets the default chunk. DFlash and quantized files run on the CPU for now. */
+    /* the backend first: it sets the default chunk. Quantized files run on the CPU for now. */
     int quantized = 0;
     for (uint64_t i = 0; i < model.n_tensors; i++) quantized |= model.dir[i].dtype == DT_Q8 || model.dir[i].dtype == DT_Q4;
     int use_gpu = !o.cpu && gpu_available(info, sizeof info);
-    if (use_gpu && (o.draft_path || quantized)) {
-        if (!o.quiet) fprintf(stderr, "note: %s runs on the CPU backend in this version\n",
-                              o.draft_path ? "DFlash" : "a quantized model");
+    if (use_gpu && quantized) {
+        if (!o.quiet) fprintf(stderr, "note: a quantized model runs on the CPU backend in this version\n");
         use_gpu = 0;
     }
     int max_tokens = o.chunk ? o.chunk : use_gpu ? 2048 : 64;   /* GPU: big prefill chunks */
@@ -1624,8 +1678,9 @@ int main(int argc, char **argv) {
     alloc_state(&model, ctx, max_tokens);   /* the CPU state also sizes the chunking for the GPU */
     DFlash dfs, *df = NULL;
     if (o.draft_path) {
-        dflash_init(&dfs, &draft, o.draft_path, &model, o.draft_max, ctx);
+        dflash_init(&dfs, &draft, o.draft_path, &model, eng.gpu, o.draft_max, ctx);
         df = &dfs;
+        if (df->gpu && !o.quiet) fprintf(stderr, "gpu drafter: %s\n", gpu_summary(df->gpu));
     }
     if (!o.quiet)
         fprintf(stderr, "laguna: %s | %d layers, vocab %d, context %d | %s%s\n", o.model_path, c->n_layers,
@@ -1796,5 +1851,17 @@ int gpu_decode_step(GpuModel *g, int token, int pos, float temperature, float to
     return -1;
 }
 const char *gpu_summary(GpuModel *g) { (void)g; return ""; }
+GpuModel *gpu_drafter_init(GpuModel *target, const Model *drafter, int ctx, int block, char *err, size_t errsz) {
+    (void)target; (void)drafter; (void)ctx; (void)block;
+    snprintf(err, errsz, "this laguna was built without CUDA");
+    return NULL;
+}
+void gpu_drafter_add_context(GpuModel *drafter, GpuModel *target, int row0, int n, int pos) {
+    (void)drafter; (void)target; (void)row0; (void)n; (void)pos;
+}
+void gpu_forward_argmax(GpuModel *g, const int *tokens, int n, int pos, int *out) {
+    (void)g; (void)tokens; (void)n; (void)pos; (void)out;
+}
+void gpu_copy_taps(GpuModel *g, int n, float *dst) { (void)g; (void)n; (void)dst; }
 void gpu_free(GpuModel *g) { (void)g; }
 #endif

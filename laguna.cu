@@ -380,7 +380,7 @@ constexpr int flash_smem_bytes(int D) { return 4 * 64 * (D + 8) * (int)sizeof(bf
 template <int D, int WARPS>
 __global__ void __launch_bounds__(WARPS * 32)
 attention_flash(const float *qkvg, int NQ, int n, int g, int nh, const bf16 *kc, const bf16 *vc, int rows,
-                int KVD, const int *pos_ptr, int window, int nsplit, float *part_o, float2 *part_ml,
+                int KVD, const int *pos_ptr, int window, int causal, int nsplit, float *part_o, float2 *part_ml,
                 float scale_log2, float *att, int gate_off, int gate_per_head) {
     constexpr int BM = 16 * WARPS, BN = 64, LD = D + 8;   /* +8: conflict-free ldmatrix rows */
     extern __shared__ __align__(16) unsigned char flash_smem[];           /* [2][BN][LD] K, then [2][BN][LD] V */
@@ -390,10 +390,11 @@ attention_flash(const float *qkvg, int NQ, int n, int g, int nh, const bf16 *kc,
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
     const int row_first = blockIdx.x * BM, row_last = min(nrows, row_first + BM) - 1;
     int k_begin, k_end;
-    key_range(pos, row_first / g, row_last / g, window, nsplit, split, &k_begin, &k_end);
+    key_range(pos, row_first / g, causal ? row_last / g : n - 1, window, nsplit, split, &k_begin, &k_end);
 
-    /* this thread's two rows (gid and gid + 8 of the warp's 16) and their key windows */
-    int rr[2], pr[2], lo[2];
+    /* this thread's two rows (gid and gid + 8 of the warp's 16) and their key windows [lo, hi]; a non-causal
+     * block (a DFlash drafter) also sees the keys after it */
+    int rr[2], pr[2], lo[2], hi[2];
     bool ok[2];
 #pragma unroll
     for (int i = 0; i < 2; i++) {
@@ -401,6 +402,7 @@ attention_flash(const float *qkvg, int NQ, int n, int g, int nh, const bf16 *kc,
         ok[i] = rr[i] < nrows;
         pr[i] = pos + (ok[i] ? rr[i] / g : 0);
         lo[i] = window ? pr[i] - window + 1 : 0;
+        hi[i] = causal ? pr[i] : pos + n - 1;
     }
     /* Q fragments in registers for the whole key loop */
     uint32_t qf[D / 16][4];
@@ -458,7 +460,7 @@ attention_flash(const float *qkvg, int NQ, int n, int g, int nh, const bf16 *kc,
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
                     int i = e >> 1, u = kt + nt * 8 + tig * 2 + (e & 1);
-                    bool valid = ok[i] && u < k_end && u <= pr[i] && u >= lo[i];
+                    bool valid = ok[i] && u < k_end && u <= hi[i] && u >= lo[i];
                     s[nt][e] = valid ? s[nt][e] * scale_log2 : -INFINITY;
                     mx[i] = fmaxf(mx[i], s[nt][e]);
                 }
@@ -515,7 +517,8 @@ attention_flash(const float *qkvg, int NQ, int n, int g, int nh, const bf16 *kc,
 #pragma unroll
                 for (int j = 0; j < 2; j++) {
                     int d = dt * 8 + tig * 2 + j;
-                    out[d] = o[dt][2 * i + j] / l[i] * softplus(gate[gate_per_head ? hd : hd * D + d]);
+                    float gt = gate_off < 0 ? 1.0f : softplus(gate[gate_per_head ? hd : hd * D + d]);   /* < 0: no gate */
+                    out[d] = o[dt][2 * i + j] / l[i] * gt;
                 }
             continue;
         }
@@ -534,17 +537,17 @@ attention_flash(const float *qkvg, int NQ, int n, int g, int nh, const bf16 *kc,
  * dims, online softmax key by key. Simple and slow; the bf16 path above is the fast one. */
 template <typename KV>
 __global__ void attention_scalar(const float *qkvg, int NQ, int n, int g, int nh, int D, const KV *kc,
-                                 const KV *vc, int rows, int KVD, const int *pos_ptr, int window, float *part_o,
-                                 float2 *part_ml, float scale_log2) {
+                                 const KV *vc, int rows, int KVD, const int *pos_ptr, int window, int causal,
+                                 float *part_o, float2 *part_ml, float scale_log2) {
     griddep_wait();
     griddep_launch();
     int t = blockIdx.x, hd = blockIdx.y, lane = threadIdx.x, kvh = hd / g;
-    int p = *pos_ptr + t, lo = window ? max(0, p - window + 1) : 0;
+    int p = *pos_ptr + t, lo = window ? max(0, p - window + 1) : 0, hi = causal ? p : *pos_ptr + n - 1;
     const float *q = qkvg + (size_t)t * NQ + (size_t)hd * D;
     float qv[4], o[4] = {}, m = -INFINITY, l = 0.0f;
 #pragma unroll
     for (int j = 0; j < 4; j++) qv[j] = lane + 32 * j < D ? q[lane + 32 * j] : 0.0f;
-    for (int u = lo; u <= p; u++) {
+    for (int u = lo; u <= hi; u++) {
         const KV *k = kc + (size_t)(u % rows) * KVD + (size_t)kvh * D, *v = vc + (size_t)(u % rows) * KVD + (size_t)kvh * D;
         float s = 0.0f;
 #pragma unroll
@@ -795,12 +798,13 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
         const float *gate = qkvg + gate_off;
         float a[4] = {acc.x, acc.y, acc.z, acc.w};
         for (int i = 0; i < 4; i++)
-            att[(size_t)hd * D + d + i] = a[i] / sL[j] * softplus(gate[gate_per_head ? hd : hd * D + d + i]);
+            att[(size_t)hd * D + d + i] = a[i] / sL[j] * (gate_off < 0 ? 1.0f : softplus(gate[gate_per_head ? hd : hd * D + d + i]));
     }
     if (tid == 0) counter[kvh] = 0;
 }
 
-/* Merge the splits of each (token, head), then the softplus output gate (per head or per element).
+/* Merge the splits of each (token, head), then the softplus output gate (per head or per element; none when
+ * gate_off < 0: a drafter with gating disabled).
  * The split weights go through shared memory; splits left empty by a short context are skipped. */
 __global__ void attention_combine(float *att, const float *part_o, const float2 *part_ml, int nsplit, int nh,
                                   int D, const float *qkvg, int NQ, int gate_off, int gate_per_head) {
@@ -832,7 +836,7 @@ __global__ void attention_combine(float *att, const float *part_o, const float2 
 #pragma unroll 4
         for (int s = 0; s < nsplit; s++)
             if (wsp[s] > 0.0f) acc += part_o[(idx + s) * D + d] * wsp[s];
-        float gt = softplus(gate[gate_per_head ? hd : hd * D + d]);
+        float gt = gate_off < 0 ? 1.0f : softplus(gate[gate_per_head ? hd : hd * D + d]);
         att[((size_t)t * nh + hd) * D + d] = acc / L * gt;
     }
 }
@@ -1643,6 +1647,14 @@ struct GpuModel {
     cudaGraphExec_t graph;
     int use_graph;
     char summary[256];
+    /* DFlash (the section at the end of this file) */
+    int *ids, *h_ids;        /* [T] each row's argmax (gpu_forward_argmax), on the device and pinned on the host */
+    float *taps;             /* target: [T, n_taps, H] the residual stream after the tap layers, every row */
+    int n_taps, tap_layers[LAGUNA_MAX_TAPS];
+    void *fc;                /* drafter: [H, n_taps*H] */
+    float *hidden_norm;      /* drafter: [H] */
+    float *aux_norm;         /* drafter: [n_taps, H] the per-tap norms, stacked */
+    float *cat, *ctxv;       /* drafter: [T, n_taps*H] normed taps side by side, [T, H] the fused context */
 };
 
 static size_t dsize(const GpuModel *g) { return g->bf ? 2 : 4; }
@@ -1732,8 +1744,16 @@ static void upload_weights(Uploader *u) {
     const Config *c = &m->config;
     const Weights *w = &m->weights;
     u->bytes = 0;
-    g->embed = weight(u, &w->embed);
-    g->lm_head = c->tied_embeddings ? g->embed : weight(u, &w->lm_head);
+    if (c->block_size) {     /* a DFlash drafter: the context fusion; embed and lm_head are the target's (linked later) */
+        g->fc = weight(u, &w->fc);
+        g->hidden_norm = f32(u, &w->hidden_norm);
+        g->aux_norm = (float *)reserve(u, (size_t)c->n_taps * c->dim * 4);
+        for (int i = 0; i < c->n_taps; i++)
+            put(u, g->aux_norm ? g->aux_norm + (size_t)i * c->dim : NULL, &w->aux_norm[i], 0, c->dim, 1);
+    } else {
+        g->embed = weight(u, &w->embed);
+        g->lm_head = c->tied_embeddings ? g->embed : weight(u, &w->lm_head);
+    }
     g->final_norm = f32(u, &w->final_norm);
     for (int t = 0; t < 2; t++) {
         g->inv_freq[t] = NULL;
@@ -1745,7 +1765,7 @@ static void upload_weights(Uploader *u) {
         const LayerWeights *lw = &w->layers[l];
         GpuLayer *L = &g->L[l];
         const Tensor *qkvg[4] = {&lw->wq, &lw->wk, &lw->wv, &lw->wg};
-        L->wqkvg = stacked(u, qkvg, 4);
+        L->wqkvg = stacked(u, qkvg, c->gated ? 4 : 3);
         L->bqkvg = NULL;
         if (c->attention_bias) {
             L->bqkvg = (float *)reserve(u, (size_t)L->NQ * 4);
@@ -1801,6 +1821,7 @@ static int split_for(const GpuModel *g, int keys, int row_blocks, int n) {
 }
 
 static void capture_decode(GpuModel *g);
+static void capture_taps(GpuModel *g, int l, int n);
 
 #define GFAIL(...) do { snprintf(err, errsz, __VA_ARGS__); gpu_free(g); return NULL; } while (0)
 
@@ -1831,7 +1852,7 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
     for (int l = 0; l < c->n_layers; l++) {
         GpuLayer *L = &g->L[l];
         L->nh = c->n_heads[l];
-        L->GD = c->gate_per_head ? L->nh : L->nh * D;
+        L->GD = !c->gated ? 0 : c->gate_per_head ? L->nh : L->nh * D;   /* 0: a drafter with gating disabled */
         L->NQ = L->nh * D + 2 * KVD + L->GD;
         L->dense = c->mlp_type[l] == MLP_DENSE;
         L->hid = L->dense ? c->hidden_dim : c->shared_hidden_dim;
@@ -1885,6 +1906,7 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
     size_t P = (size_t)T * (K ? K : 1), widest = H;
     if ((size_t)QD > widest) widest = QD;
     if ((size_t)hid > widest) widest = hid;
+    if (c->block_size && (size_t)c->n_taps * H > widest) widest = (size_t)c->n_taps * H;   /* a drafter's fc input */
     g->part_cap = (size_t)(T > 1024 ? T : 1024) * c->max_heads * D;
     size_t act0 = 0;
 #define ALLOC(ptr, count, type) do { size_t b_ = ((size_t)(count) * sizeof(type) + 255) & ~(size_t)255; \
@@ -1904,6 +1926,7 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
     ALLOC(g->pos, 1, int);
     ALLOC(g->d_step, 1, Step);
     ALLOC(g->counters, 1 + c->n_kv_heads, int);
+    ALLOC(g->ids, T, int);
     if (E) {
         ALLOC(g->router_logits, (size_t)T * E, float);
         ALLOC(g->topk_idx, P, int);
@@ -1930,6 +1953,7 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
     CUDA_CHECK(cudaMallocHost(&g->h_tokens, T * sizeof(int)));
     CUDA_CHECK(cudaMallocHost(&g->h_logits, (size_t)T * c->vocab_size * sizeof(float)));
     CUDA_CHECK(cudaMallocHost(&g->h_step, sizeof(Step)));
+    CUDA_CHECK(cudaMallocHost(&g->h_ids, T * sizeof(int)));
     if (E) {
         CUDA_CHECK(cudaMallocHost(&g->h_start, (E + 1) * sizeof(int)));
         CUDA_CHECK(cudaMallocHost(&g->h_gptr, 7 * (size_t)E * sizeof(void *)));
@@ -1947,7 +1971,7 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
         g->fused_split[ATTN_FULL] = f < 1 ? 1 : f > 128 ? 128 : f;
     }
     prefill_kernels_setup();
-    if (g->use_graph) capture_decode(g);    /* captured once here; replayed at every position */
+    if (g->use_graph && !c->block_size) capture_decode(g);    /* captured once here; replayed at every position */
     CUDA_CHECK(cudaDeviceSynchronize());
     size_t fr, tot;
     CUDA_CHECK(cudaMemGetInfo(&fr, &tot));
@@ -1967,9 +1991,10 @@ extern "C" void gpu_free(GpuModel *g) {
     void *dev[] = {g->wbuf, g->kvbuf, g->x, g->xb, g->qkvg, g->att, g->mlp_h, g->mlp_act, g->act16, g->logits,
                    g->part_o, g->part_ml, g->tokens, g->pos, g->d_step, g->counters, g->router_logits, g->topk_idx, g->topk_w,
                    g->pair_w, g->pair_tok, g->inv, g->start, g->active, g->n_active, g->h_pair, g->hs, g->y_pair,
-                   g->ys, g->x_sorted, g->act_sorted, g->gptr, g->blk_cnt, g->tile_start};
+                   g->ys, g->x_sorted, g->act_sorted, g->gptr, g->blk_cnt, g->tile_start, g->ids, g->taps, g->cat,
+                   g->ctxv};
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++) if (dev[i]) cudaFree(dev[i]);
-    void *host[] = {g->h_tokens, g->h_logits, g->h_step, g->h_start, g->h_gptr};
+    void *host[] = {g->h_tokens, g->h_logits, g->h_step, g->h_start, g->h_gptr, g->h_ids};
     for (size_t i = 0; i < sizeof host / sizeof host[0]; i++) if (host[i]) cudaFreeHost(host[i]);
     if (g->stream) cudaStreamDestroy(g->stream);
     free(g);
@@ -2031,7 +2056,7 @@ static void matvec(GpuModel *g, float *out, const void *w, int rows, int in, con
 /* one token with the fused decode attention (q/k norm and RoPE inside): group <= 8, D a power of two 16..128 */
 static int fused_decode_attention(const GpuModel *g, int l, int n) {
     int D = g->c.head_dim;
-    return n == 1 && g->L[l].nh / g->c.n_kv_heads <= 8 && !g->attn_scalar &&
+    return n == 1 && g->c.gated && g->c.causal && g->L[l].nh / g->c.n_kv_heads <= 8 && !g->attn_scalar &&
            (D == 16 || D == 32 || D == 64 || D == 128);
 }
 
@@ -2059,18 +2084,20 @@ static void attention(GpuModel *g, int l, int n, int pos) {
     }
     if (!g->kv_bf) {
         attention_scalar<float><<<dim3(n, L->nh), 32, 0, g->stream>>>(g->qkvg, L->NQ, n, gq, L->nh, D,
-            (const float *)L->kc, (const float *)L->vc, L->rows, c->kv_dim, pos_ptr, window, g->part_o, g->part_ml, scale_log2);
+            (const float *)L->kc, (const float *)L->vc, L->rows, c->kv_dim, pos_ptr, window, c->causal, g->part_o, g->part_ml,
+            scale_log2);
     } else if (g->attn_scalar) {
         attention_scalar<bf16><<<dim3(n, L->nh), 32, 0, g->stream>>>(g->qkvg, L->NQ, n, gq, L->nh, D,
-            (const bf16 *)L->kc, (const bf16 *)L->vc, L->rows, c->kv_dim, pos_ptr, window, g->part_o, g->part_ml, scale_log2);
+            (const bf16 *)L->kc, (const bf16 *)L->vc, L->rows, c->kv_dim, pos_ptr, window, c->causal, g->part_o, g->part_ml,
+            scale_log2);
     } else {
         int warps = n * gq <= 16 ? 1 : 4, rb = (n * gq + 16 * warps - 1) / (16 * warps);
         if (n == 1) nsplit = g->decode_split[c->layer_type[l]];
         else nsplit = split_for(g, sliding ? window + n - 1 : pos + n, rb, n);
         dim3 grid(rb, nkv, nsplit);
 #define FLASH(DD, WW) attention_flash<DD, WW><<<grid, WW * 32, flash_smem_bytes(DD), g->stream>>>(g->qkvg, L->NQ, n, gq, L->nh, \
-        (const bf16 *)L->kc, (const bf16 *)L->vc, L->rows, c->kv_dim, pos_ptr, window, nsplit, g->part_o, g->part_ml, scale_log2, \
-        g->att, L->nh * D + 2 * c->kv_dim, c->gate_per_head)
+        (const bf16 *)L->kc, (const bf16 *)L->vc, L->rows, c->kv_dim, pos_ptr, window, c->causal, nsplit, g->part_o, g->part_ml, \
+        scale_log2, g->att, c->gated ? L->nh * D + 2 * c->kv_dim : -1, c->gate_per_head)
         if (warps == 1) { switch (D) { case 16: FLASH(16, 1); break; case 32: FLASH(32, 1); break; case 64: FLASH(64, 1); break; default: FLASH(128, 1); } }
         else { switch (D) { case 16: FLASH(16, 4); break; case 32: FLASH(32, 4); break; case 64: FLASH(64, 4); break; default: FLASH(128, 4); } }
 #undef FLASH
@@ -2079,7 +2106,7 @@ static void attention(GpuModel *g, int l, int n, int pos) {
     }
     LAUNCH_CHECK();
     attention_combine<<<n * L->nh, D < 32 ? 32 : D, 0, g->stream>>>(g->att, g->part_o, g->part_ml, nsplit, L->nh, D,
-        g->qkvg, L->NQ, L->nh * D + 2 * c->kv_dim, c->gate_per_head);
+        g->qkvg, L->NQ, c->gated ? L->nh * D + 2 * c->kv_dim : -1, c->gate_per_head);
     LAUNCH_CHECK();
 }
 
@@ -2284,7 +2311,7 @@ static void forward_gpu(GpuModel *g, int n, int pos, int all_logits) {
             if (L->bo) { add_bias_kernel<<<grid_for((size_t)n * H, 256), 256, 0, g->stream>>>(g->x, L->bo, n, H); LAUNCH_CHECK(); }
         }
         /* ---- MLP block: dense SwiGLU or MoE ---- */
-        if (n == 1) { mlp_decode<W>(g, l); continue; }
+        if (n == 1) { mlp_decode<W>(g, l); capture_taps(g, l, n); continue; }
         rmsnorm_kernel<<<n, 256, 0, g->stream>>>(g->xb, g->x, H, L->ffn_norm, H, c->norm_eps);
         LAUNCH_CHECK();
         if (L->dense) {
@@ -2295,6 +2322,7 @@ static void forward_gpu(GpuModel *g, int n, int pos, int all_logits) {
         } else {
             moe_many<W>(g, l, n);
         }
+        capture_taps(g, l, n);
     }
     /* final norm and lm_head (every row, or the last) */
     int rows = all_logits ? n : 1, first = all_logits ? 0 : n - 1;
@@ -2312,7 +2340,8 @@ static void forward_any(GpuModel *g, int n, int pos, int all_logits) {
     else forward_gpu<float>(g, n, pos, all_logits);
 }
 
-extern "C" float *gpu_forward(GpuModel *g, const int *tokens, int n, int pos, int all_logits) {
+/* upload the tokens and the position, then enqueue the forward (the caller downloads what it needs and syncs) */
+static void enqueue_forward(GpuModel *g, const int *tokens, int n, int pos, int all_logits) {
     if (n < 1 || n > g->T || pos < 0 || pos + n > g->ctx) {
         fprintf(stderr, "laguna: error: gpu_forward of %d tokens at %d (chunk %d, context %d)\n", n, pos, g->T, g->ctx);
         exit(1);
@@ -2322,6 +2351,10 @@ extern "C" float *gpu_forward(GpuModel *g, const int *tokens, int n, int pos, in
     CUDA_CHECK(cudaMemcpyAsync(g->tokens, g->h_tokens, n * sizeof(int), cudaMemcpyHostToDevice, g->stream));
     CUDA_CHECK(cudaMemcpyAsync(g->pos, &g->h_step->pos, sizeof(int), cudaMemcpyHostToDevice, g->stream));
     forward_any(g, n, pos, all_logits);
+}
+
+extern "C" float *gpu_forward(GpuModel *g, const int *tokens, int n, int pos, int all_logits) {
+    enqueue_forward(g, tokens, n, pos, all_logits);
     size_t count = (size_t)(all_logits ? n : 1) * g->c.vocab_size;
     CUDA_CHECK(cudaMemcpyAsync(g->h_logits, g->logits, count * sizeof(float), cudaMemcpyDeviceToHost, g->stream));
     CUDA_CHECK(cudaStreamSynchronize(g->stream));
@@ -2359,4 +2392,155 @@ extern "C" int gpu_decode_step(GpuModel *g, int token, int pos, float temperatur
     else enqueue_decode(g);
     CUDA_CHECK(cudaStreamSynchronize(g->stream));
     return s->out;
+}
+
+/* ----------------------------------------------------------------------------
+ * DFlash on the GPU: the same steps as the DFlash section of laguna.c, which drives them.
+ *
+ * The target captures its residual stream after the tap layers for every row it runs (capture_taps in
+ * forward_gpu) into a device buffer. The drafter is a second GpuModel made by gpu_init from the drafter file:
+ * its layers, a ring KV cache of W + block - 1 rows per layer (the CPU's), the context fusion weights, and the
+ * target's embedding and lm_head (pointers, not copies). Its block forward is forward_gpu itself, as on the CPU
+ * draft_block is forward(): with the block's K/V written into the ring at P..P+B-1, causal sliding-window
+ * attention over the ring is exactly the drafter's attention (context keys, then the block causally). The
+ * context add reads the taps on the device, so per verify step only token ids cross to the host (greedy).
+ * The drafter runs on its own stream; every call here ends with a sync, so the target's next forward never
+ * overwrites taps the drafter still reads. */
+
+/* out[r] = w[r % n_w] * rmsnorm(x[r]) over rows of H: the per-tap norms (aux_hidden_norms) of taps [n, n_w, H];
+ * one block per row */
+__global__ void rmsnorm_groups_kernel(float *out, const float *x, const float *w, int n_w, int H, float eps) {
+    size_t r = blockIdx.x;
+    const float *xr = x + r * H, *wr = w + (size_t)(r % n_w) * H;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < H; i += blockDim.x) ss += xr[i] * xr[i];
+    ss = block_sum(ss);
+    float inv = 1.0f / sqrtf(ss / H + eps);
+    for (int i = threadIdx.x; i < H; i += blockDim.x) out[r * H + i] = wr[i] * (xr[i] * inv);
+}
+
+/* out[t] = argmax of row t, the first index on ties (argmax() in laguna.c); one block per row */
+__global__ void __launch_bounds__(1024) argmax_rows_kernel(const float *x, int V, int *out) {
+    __shared__ float sv[32];
+    __shared__ int si[32];
+    const float *row = x + (size_t)blockIdx.x * V;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float bv = -INFINITY;
+    int bi = V;                                        /* V: no element seen */
+    for (int i = threadIdx.x; i < V; i += blockDim.x)
+        if (bi == V || row[i] > bv) { bv = row[i]; bi = i; }
+    for (int o = 16; o > 0; o >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+        int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        if (oi < V && (bi == V || ov > bv || (ov == bv && oi < bi))) { bv = ov; bi = oi; }
+    }
+    if (lane == 0) { sv[warp] = bv; si[warp] = bi; }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < (int)(blockDim.x >> 5); w++)
+            if (si[w] < V && (si[0] == V || sv[w] > sv[0] || (sv[w] == sv[0] && si[w] < si[0]))) { sv[0] = sv[w]; si[0] = si[w]; }
+        out[blockIdx.x] = si[0] < V ? si[0] : 0;
+    }
+}
+
+/* the residual stream after layer l, every row, into taps[t, slot, :] (the last layer's is before the final norm) */
+static void capture_taps(GpuModel *g, int l, int n) {
+    if (!g->taps) return;
+    size_t H = (size_t)g->c.dim, row = (size_t)g->n_taps * H;
+    for (int i = 0; i < g->n_taps; i++)
+        if (g->tap_layers[i] == l)
+            CUDA_CHECK(cudaMemcpy2DAsync(g->taps + i * H, row * sizeof(float), g->x, H * sizeof(float), H * sizeof(float),
+                                         (size_t)n, cudaMemcpyDeviceToDevice, g->stream));
+}
+
+/* A forward over n tokens whose logits stay on the device: only each row's argmax comes back (the greedy verify,
+ * and the drafter's block). */
+extern "C" void gpu_forward_argmax(GpuModel *g, const int *tokens, int n, int pos, int *out) {
+    enqueue_forward(g, tokens, n, pos, 1);
+    argmax_rows_kernel<<<n, 1024, 0, g->stream>>>(g->logits, g->c.vocab_size, g->ids);
+    LAUNCH_CHECK();
+    CUDA_CHECK(cudaMemcpyAsync(g->h_ids, g->ids, n * sizeof(int), cudaMemcpyDeviceToHost, g->stream));
+    CUDA_CHECK(cudaStreamSynchronize(g->stream));
+    memcpy(out, g->h_ids, n * sizeof(int));
+}
+
+/* the last forward's taps [n, n_taps, H] to the host (the --taps test hook) */
+extern "C" void gpu_copy_taps(GpuModel *g, int n, float *dst) {
+    CUDA_CHECK(cudaMemcpyAsync(dst, g->taps, (size_t)n * g->n_taps * g->c.dim * sizeof(float), cudaMemcpyDeviceToHost,
+                               g->stream));
+    CUDA_CHECK(cudaStreamSynchronize(g->stream));
+}
+
+/* The drafter on the device beside the target (dflash_init has checked that it fits the target); from now on the
+ * target captures its taps. */
+extern "C" GpuModel *gpu_drafter_init(GpuModel *target, const Model *dm, int ctx, int block, char *err, size_t errsz) {
+    const Config *c = &dm->config;
+    GpuModel *g = gpu_init(dm, ctx, block, err, errsz);   /* dm's embed/lm_head are the target's: same dtype */
+    if (!g) return NULL;
+    if (g->bf != target->bf) GFAIL("the drafter's weight dtype does not follow the target's");
+    g->embed = target->embed;
+    g->lm_head = target->lm_head;
+    size_t H = (size_t)c->dim, NT = (size_t)c->n_taps;
+    void *cat = NULL, *ctxv = NULL, *taps = NULL;
+    if (cudaMalloc(&cat, (size_t)block * NT * H * sizeof(float)) != cudaSuccess ||
+        cudaMalloc(&ctxv, (size_t)block * H * sizeof(float)) != cudaSuccess ||
+        cudaMalloc(&taps, (size_t)target->T * NT * H * sizeof(float)) != cudaSuccess) {
+        cudaGetLastError();
+        if (cat) cudaFree(cat);
+        if (ctxv) cudaFree(ctxv);
+        GFAIL("out of GPU memory for the DFlash buffers (taps of %d rows)\n  hint: lower --chunk", target->T);
+    }
+    g->cat = (float *)cat;
+    g->ctxv = (float *)ctxv;
+    if (target->taps) CUDA_CHECK(cudaFree(target->taps));
+    target->taps = (float *)taps;
+    target->n_taps = c->n_taps;
+    memcpy(target->tap_layers, c->tap_layers, NT * sizeof(int));
+    return g;
+}
+
+/* Drafter context from rows row0..row0+n-1 of the target's last forward, at positions pos..pos+n-1 (laguna.c's
+ * drafter_add_context): per-tap RMSNorm, fc, hidden_norm; then per layer input_layernorm -> K (k_norm, RoPE at
+ * the absolute position), V, into the ring. In chunks of the drafter's T rows, like the CPU. */
+extern "C" void gpu_drafter_add_context(GpuModel *g, GpuModel *target, int row0, int n, int pos) {
+    const Config *c = &g->c;
+    int H = c->dim, NT = c->n_taps, D = c->head_dim, nkv = c->n_kv_heads, KVD = c->kv_dim;
+    if (row0 < 0 || n < 0 || row0 + n > target->T || pos < 0 || pos + n > g->ctx) {
+        fprintf(stderr, "laguna: error: drafter context of %d rows from %d at %d (chunk %d, context %d)\n", n, row0, pos,
+                target->T, g->ctx);
+        exit(1);
+    }
+    for (int r0 = 0; r0 < n; r0 += g->T) {
+        int k = n - r0 < g->T ? n - r0 : g->T;
+        g->h_step->pos = pos + r0;
+        CUDA_CHECK(cudaMemcpyAsync(g->pos, &g->h_step->pos, sizeof(int), cudaMemcpyHostToDevice, g->stream));
+        /* the fused context vector of each position */
+        rmsnorm_groups_kernel<<<k * NT, 256, 0, g->stream>>>(g->cat, target->taps + (size_t)(row0 + r0) * NT * H,
+                                                             g->aux_norm, NT, H, c->norm_eps);
+        LAUNCH_CHECK();
+        gemm(g, g->ctxv, H, g->fc, H, NT * H, g->cat, k, 0.0f);
+        rmsnorm_kernel<<<k, 256, 0, g->stream>>>(g->ctxv, g->ctxv, H, g->hidden_norm, H, c->norm_eps);
+        LAUNCH_CHECK();
+        for (int l = 0; l < c->n_layers; l++) {
+            GpuLayer *L = &g->L[l];
+            int type = c->layer_type[l], QD = L->nh * D;
+            /* the layer's input norm, then only the k and v rows of the stacked projection, into their columns of qkvg */
+            rmsnorm_kernel<<<k, 256, 0, g->stream>>>(g->xb, g->ctxv, H, L->attn_norm, H, c->norm_eps);
+            LAUNCH_CHECK();
+            gemm(g, g->qkvg + QD, L->NQ, (const char *)L->wqkvg + (size_t)QD * H * dsize(g), 2 * KVD, H, g->xb, k, 0.0f);
+            /* k_norm, RoPE at the absolute positions and the ring append: the q/k-norm kernel with no query heads */
+            dim3 rg(k, (2 * nkv + 3) / 4);
+            if (g->kv_bf)
+                qk_norm_rope_kernel<bf16><<<rg, 128, 0, g->stream>>>(g->qkvg + QD, L->NQ, 0, nkv, D, L->q_norm, L->k_norm,
+                    g->inv_freq[type], c->rotary_dim[type], c->rope_scaling[type], (bf16 *)L->kc, (bf16 *)L->vc, L->rows,
+                    g->pos, c->norm_eps);
+            else
+                qk_norm_rope_kernel<float><<<rg, 128, 0, g->stream>>>(g->qkvg + QD, L->NQ, 0, nkv, D, L->q_norm, L->k_norm,
+                    g->inv_freq[type], c->rotary_dim[type], c->rope_scaling[type], (float *)L->kc, (float *)L->vc, L->rows,
+                    g->pos, c->norm_eps);
+            LAUNCH_CHECK();
+        }
+        /* h_step->pos is rewritten for the next chunk, and the target's next forward rewrites the taps */
+        CUDA_CHECK(cudaStreamSynchronize(g->stream));
+    }
 }

@@ -193,6 +193,16 @@ float *gpu_forward(GpuModel *g, const int *tokens, int n, int pos, int all_logit
 /* one decode step on the device (a CUDA graph): forward `token` at `pos`, then sample the next token there
  * (temperature 0 = argmax; coin in [0,1) drives the top-p draw); only token ids cross to the host */
 int gpu_decode_step(GpuModel *g, int token, int pos, float temperature, float topp, float coin);
+/* DFlash on the GPU: laguna.c's loop calls these where the CPU calls forward() and drafter_add_context().
+ * gpu_drafter_init puts the drafter (dflash_init has checked it fits) beside the target, sharing its embedding
+ * and lm_head, and makes the target capture its taps for every row it runs. */
+GpuModel *gpu_drafter_init(GpuModel *target, const Model *drafter, int ctx, int block, char *err, size_t errsz);
+/* drafter context from rows row0..row0+n-1 of the target's last forward, at positions pos..pos+n-1 */
+void gpu_drafter_add_context(GpuModel *drafter, GpuModel *target, int row0, int n, int pos);
+/* a forward whose logits stay on the device: out[t] = argmax of row t (greedy verify, the drafter's block) */
+void gpu_forward_argmax(GpuModel *g, const int *tokens, int n, int pos, int *out);
+/* the last forward's taps [n, n_taps, H] to the host (--taps) */
+void gpu_copy_taps(GpuModel *g, int n, float *dst);
 /* "weights X GiB, KV cache Y GiB, ..." for the load line */
 const char *gpu_summary(GpuModel *g);
 void gpu_free(GpuModel *g);

@@ -299,3 +299,39 @@ def test_drafter_checkpoint_with_its_own_embedding(laguna, models, tmp_path):
         t["lm_head.weight"] = np.zeros((512, 64), np.float32)
         save_file(t, path)
     assert_lossless(laguna, models, exported_drafter_variant(tmp_path, edit_tensors=add))
+
+
+def test_synthetic_drafter_preset(laguna, models, tmp_path):
+    """export.py --synthetic XS-2.1-DFlash (the benchmark's drafter) writes the published drafter's config and shapes:
+    it loads (every tensor bound) and is refused by a target it does not fit."""
+    import sys
+    from test_model import ROOT, expect_error
+    out = tmp_path / "xs21-dflash.bin"
+    run([sys.executable, os.path.join(ROOT, "export.py"), "-q", "--synthetic", "XS-2.1-DFlash", str(out)])
+    head = open(out, "rb").read(4096)
+    kind, = struct.unpack_from("<I", head, 8)
+    coff, csize = struct.unpack_from("<QQ", head, 24)
+    cfg = dict(line.split("=", 1) for line in head[coff:coff + csize].decode().splitlines())
+    assert kind == 1
+    for k, v in {"hidden_size": "2048", "n_layers": "5", "n_heads": "64 64 64 64 64", "n_kv_heads": "8",
+                 "head_dim": "128", "intermediate_size": "8192", "sliding_window": "512", "gating": "per-head",
+                 "mask_token_id": "12", "dflash_block_size": "16", "dflash_target_layer_ids": "1 13 25 33 39",
+                 "dflash_causal": "1", "dflash_num_target_layers": "40"}.items():
+        assert cfg[k] == v, (k, cfg[k])
+    expect_error([laguna, models["xs2"], "-d", str(out), "--ids", "1 2"], "vocabulary (100352)")
+
+
+def test_random_weights_fill_the_drafter_too(laguna, models, tmp_path):
+    """--random-weights SEED replaces the drafter's matmul weights as well as the target's (benchmarks on synthetic
+    pairs): a drafter whose MLP weights are doubled then drafts exactly like the original."""
+    from safetensors.numpy import save_file
+    doubled = exported_drafter_variant(tmp_path, edit_tensors=lambda t, path: save_file(
+        {k: (v * 2 if ".mlp." in k else v) for k, v in t.items()}, path))
+    prompt = " ".join(ids_of(fx("xs2_f32", "score.txt"))[:10])
+
+    def dl(drafter, *extra):
+        out = tmp_path / "dl.bin"
+        run([laguna, models["xs2"], "-d", drafter, "--ids", prompt, "--draft-logits", str(out), "-q", *extra])
+        return np.fromfile(out, dtype=np.float32)
+    assert not np.allclose(dl(models["dxs2"]), dl(doubled))
+    assert np.array_equal(dl(models["dxs2"], "--random-weights", "1"), dl(doubled, "--random-weights", "1"))

@@ -178,3 +178,237 @@ def test_gpu_mid_size_random_model(laguna_gpu, tmp_path):
               f"max |logit diff| {d:.3g} (logit std {cpu.std():.3g}); CPU {t_cpu:.1f} s, GPU {t_gpu:.1f} s")
     if min(float((g.argmax(1) == cpu.argmax(1)).mean()) for g in (gpu, gpu1)) < 0.995:
         pytest.xfail("bf16 KV/GEMM-input rounding flips MoE routes of the random router (dev/gpu_notes.md)")
+
+
+# ---------------------------------------------------------------------------------------------
+# DFlash on the GPU (issue #5): laguna.c's one loop, with the taps, the drafter, the context and the verify on the
+# device. The f32 fixtures run fully in fp32 on the GPU, so their bar is the CPU's: identical greedy tokens and
+# 1e-4 on taps and draft logits. `pytest -k dflash` runs these alone.
+
+DRAFT_PAIRS = {"xs2": ("xs2_f32", "draft_xs2"), "v16": ("v16", "draft_v16")}
+TINY, TINY_DRAFT = os.path.join(ROOT, "models", "tiny.bin"), os.path.join(ROOT, "models", "tiny-dflash.bin")
+
+
+def score_ids(name):
+    return open(fx(name, "score.txt")).read().split()
+
+
+def greedy(laguna, model, prompt, *extra, env=None):
+    return run([laguna, model, "--ids", prompt, "-t", "0", "-q", *extra], env=env).stdout.split()
+
+
+def dflash_counts(stderr):
+    """(verify steps, drafted, accepted) from the dflash report line."""
+    line = [l for l in stderr.splitlines() if "verify steps" in l][0]
+    return tuple(int(line.split(k)[0].split()[-1]) for k in (" verify steps", " drafted", " accepted"))
+
+
+@pytest.mark.parametrize("pair,plens", [("xs2", (1, 7, 9, 13, 17, 30)), ("v16", (2, 5, 12))])
+def test_gpu_dflash_greedy_lossless(laguna_gpu, exported, pair, plens):
+    """GPU with the drafter == GPU without == CPU, for --draft-max 1, 7, 15 and prompts across the target window
+    (8), the drafter window (xs2: 12) and the block (16). xs2: causal windowed drafter; v16: non-causal,
+    full attention, per-element gate, block 4, and a 16-id vocabulary where drafts are often right (rollback)."""
+    tgt, drf = DRAFT_PAIRS[pair]
+    target, drafter = exported(tgt), exported(drf)
+    score = score_ids(tgt)
+    runs = 0
+    for plen in plens:
+        prompt = " ".join(score[:plen])
+        cpu = greedy(laguna_gpu, target, prompt, "-n", "45", "--cpu")
+        assert greedy(laguna_gpu, target, prompt, "-n", "45") == cpu, plen
+        for k in ("1", "7", "15"):
+            got = greedy(laguna_gpu, target, prompt, "-n", "45", "-d", drafter, "--draft-max", k)
+            assert got == cpu, (plen, k)
+            runs += 1
+    r = run([laguna_gpu, target, "--ids", " ".join(score[:plens[-1]]), "-t", "0", "-n", "45", "-d", drafter])
+    steps, drafted, accepted = dflash_counts(r.stderr)
+    assert "gpu drafter:" in r.stderr
+    print(f"\n[gpu dflash] {pair}: {runs} runs with the drafter identical to the CPU without it; last prompt: "
+          f"{steps} steps, {drafted} drafted, {accepted} accepted")
+    if pair == "v16":
+        assert accepted > 0          # blocks were partly accepted: the caches were rolled back mid-block
+
+
+def test_gpu_dflash_rollback_logits_equal_a_fresh_pass(laguna_gpu, exported, tmp_path):
+    """After every accept length the logits rows the GPU loop used (--logits traces them) equal a fresh
+    teacher-forced pass over the committed text: the position-indexed caches were rolled back correctly."""
+    target, drafter = exported("v16"), exported("draft_v16")
+    score = score_ids("v16")
+    accepted = 0
+    for plen in (2, 5, 12):
+        trace = tmp_path / "trace.bin"
+        r = run([laguna_gpu, target, "--ids", " ".join(score[:plen]), "-t", "0", "-n", "60", "-d", drafter,
+                 "--logits", str(trace)])
+        got = r.stdout.split()
+        accepted += dflash_counts(r.stderr)[2]
+        seq = tmp_path / "seq.txt"
+        seq.write_text(" ".join(score[:plen] + got))
+        full = tmp_path / "full.bin"
+        run([laguna_gpu, target, "--score", str(seq), "--logits", str(full), "-q"])
+        fresh = np.fromfile(full, dtype=np.float32).reshape(-1, 16)[plen - 1: plen - 1 + len(got)]
+        used = np.fromfile(trace, dtype=np.float32).reshape(-1, 16)[: len(got)]
+        d = float(np.abs(used - fresh).max())
+        print(f"\n[gpu dflash] v16 prompt {plen}: {len(got)} tokens, max |logits used - fresh pass| = {d:.3g} "
+              f"(bar {TOL_F32})")
+        assert len(got) > 0 and d <= TOL_F32
+    assert accepted > 0
+
+
+@pytest.mark.parametrize("pair", ["xs2", "v16"])
+def test_gpu_dflash_taps_match_cpu(laguna_gpu, exported, pair, tmp_path):
+    """--taps (the target's residual stream after the tap layers, every row) from the GPU vs the CPU."""
+    tgt, drf = DRAFT_PAIRS[pair]
+    got = {}
+    for dev in ("gpu", "cpu"):
+        out = tmp_path / f"taps_{dev}.bin"
+        run([laguna_gpu, exported(tgt), "-d", exported(drf), "--score", fx(tgt, "score.txt"), "--taps", str(out), "-q"]
+            + (["--cpu"] if dev == "cpu" else []))
+        got[dev] = np.fromfile(out, dtype=np.float32)
+    d = float(np.abs(got["gpu"] - got["cpu"]).max())
+    msg = f"\n[gpu dflash] {pair} taps: max |GPU - CPU| = {d:.3g} over {got['gpu'].size} values (bar {TOL_F32})"
+    if pair == "xs2":                 # transformers' layer outputs 1, 4, 7 (7 = the last, before the final norm)
+        ref = np.load(fx("draft_xs2", "taps.npy"))
+        msg += f"; vs transformers, relative {float(np.abs(got['gpu'].reshape(ref.shape) - ref).max() / np.abs(ref).max()):.3g}"
+    print(msg)
+    assert got["gpu"].size == got["cpu"].size > 0 and d <= TOL_F32
+
+
+@pytest.mark.parametrize("pair,fixture,checks", [("xs2", "draft_xs2", [5, 20, 40]), ("v16", "draft_v16", [3, 12])])
+def test_gpu_dflash_draft_logits(laguna_gpu, exported, pair, fixture, checks, tmp_path):
+    """--draft-logits (prefill, context, one block forward) from the GPU vs the CPU and vs the PyTorch reference
+    (dev/dflash_ref.py on transformers' taps)."""
+    tgt, drf = DRAFT_PAIRS[pair]
+    score = score_ids(tgt)
+    for P in checks:
+        got = {}
+        for dev in ("gpu", "cpu"):
+            out = tmp_path / f"dl_{dev}.bin"
+            run([laguna_gpu, exported(tgt), "-d", exported(drf), "--ids", " ".join(score[:P + 1]), "--draft-logits",
+                 str(out), "-q"] + (["--cpu"] if dev == "cpu" else []))
+            got[dev] = np.fromfile(out, dtype=np.float32)
+        ref = np.load(fx(fixture, f"draft_logits_{P}.npy"))
+        d_cpu = float(np.abs(got["gpu"] - got["cpu"]).max())
+        d_ref = float(np.abs(got["gpu"].reshape(ref.shape) - ref).max())
+        print(f"\n[gpu dflash] {fixture} P={P}: max |GPU - CPU| = {d_cpu:.3g}, |GPU - reference| = {d_ref:.3g} "
+              f"(bar {TOL_F32})")
+        assert d_cpu <= TOL_F32 and d_ref <= TOL_F32
+
+
+@pytest.mark.parametrize("pair", ["xs2", "v16"])
+def test_gpu_dflash_sampling_seeded(laguna_gpu, exported, pair):
+    """Temperature > 0: runs complete, repeat with a seed, equal the CPU's (the same rng stream over logits equal to
+    ~1e-5), and at top-p -> 0 equal greedy."""
+    tgt, drf = DRAFT_PAIRS[pair]
+    target, drafter = exported(tgt), exported(drf)
+    prompt = " ".join(score_ids(tgt)[:12])
+
+    def gen(*a):
+        return run([laguna_gpu, target, "--ids", prompt, "-n", "40", "-q", "-d", drafter, *a]).stdout.split()
+    a = gen("-t", "0.8", "-p", "0.95", "-s", "5")
+    assert len(a) > 0 and a == gen("-t", "0.8", "-p", "0.95", "-s", "5")
+    cpu = gen("-t", "0.8", "-p", "0.95", "-s", "5", "--cpu")
+    b = gen("-t", "1.0", "-p", "1.0", "-s", "9")
+    cpu_b = gen("-t", "1.0", "-p", "1.0", "-s", "9", "--cpu")
+    limit = gen("-t", "1.0", "-p", "1e-6", "-s", "3")
+    want = greedy(laguna_gpu, target, prompt, "-n", "40")
+    print(f"\n[gpu dflash] {pair} sampled: GPU == CPU (T 0.8, p 0.95) {a == cpu}, (T 1) {b == cpu_b}; "
+          f"top-p 1e-6 == greedy {limit == want}")
+    assert a == cpu and b == cpu_b and limit == want
+
+
+def test_gpu_dflash_sampling_keeps_the_target_distribution(laguna_gpu, exported, tmp_path):
+    """The second generated token over 3000 seeded GPU runs against its exact distribution (test_dflash's check)."""
+    from test_dflash import chi2_critical, chi2_stat, exact_second_token, second_tokens
+    target, drafter = exported("v16"), exported("draft_v16")
+    prompt = " ".join(score_ids("v16")[:6])
+    exact = exact_second_token(laguna_gpu, target, prompt, 1.0, 1.0, tmp_path)
+    r = run([laguna_gpu, target, "-d", drafter, "--ids", prompt, "-n", "2", "-t", "1.0", "-p", "1.0", "-s", "11",
+             "--samples", "3000", "-q"])
+    assert r.stdout.count("\n") == 3000
+    c = second_tokens(r.stdout)
+    stat, df = chi2_stat(c, exact * c.sum())
+    print(f"\n[gpu dflash] sampled with the drafter: chi2 {stat:.1f} with {df} dof (critical {chi2_critical(df):.1f})")
+    assert stat < chi2_critical(df)
+
+
+def test_gpu_dflash_drafter_variants(laguna_gpu, exported, tmp_path):
+    """Drafters with gating disabled (no g_proj) and an all-bf16 drafter checkpoint on an f32 target: lossless."""
+    from safetensors.numpy import save_file
+    from test_dflash import exported_drafter_variant, write_bf16_safetensors
+    target = exported("xs2_f32")
+    prompt = " ".join(score_ids("xs2_f32")[:20])
+    want = greedy(laguna_gpu, target, prompt, "-n", "30", "--cpu")
+    ungated = exported_drafter_variant(
+        tmp_path / "a", edit_config=lambda c: c.update(gating=False),
+        edit_tensors=lambda t, path: save_file({k: v for k, v in t.items() if "g_proj" not in k}, path))
+    allbf16 = exported_drafter_variant(tmp_path / "b", edit_tensors=lambda t, path: write_bf16_safetensors(t, path))
+    for name, d in (("gating disabled", ungated), ("all-bf16 checkpoint", allbf16)):
+        got = greedy(laguna_gpu, target, prompt, "-n", "30", "-d", d)
+        print(f"\n[gpu dflash] drafter with {name}: identical to the CPU without a drafter: {got == want}")
+        assert got == want
+
+
+def test_gpu_dflash_refusals_and_cpu_flag(laguna_gpu, exported):
+    """A drafter that does not fit the target is refused on the GPU build too; --cpu still runs DFlash on the CPU."""
+    from test_model import expect_error
+    expect_error([laguna_gpu, exported("v16"), "-d", exported("draft_xs2"), "--ids", "1 2"], "vocabulary (512)", "(16)")
+    expect_error([laguna_gpu, exported("variant"), "-d", exported("draft_xs2"), "--ids", "1 2"], "8-layer target")
+    prompt = " ".join(score_ids("v16")[:5])
+    r = run([laguna_gpu, exported("v16"), "-d", exported("draft_v16"), "--ids", prompt, "-t", "0", "-n", "8", "--cpu"])
+    assert "| CPU | DFlash drafter" in r.stderr and "gpu drafter:" not in r.stderr
+    r = run([laguna_gpu, exported("v16"), "-d", exported("draft_v16"), "--ids", prompt, "-t", "0", "-n", "30",
+             "--compare"])
+    assert "gpu drafter:" in r.stderr and "outputs identical" in r.stderr
+    print("\n[gpu dflash] " + [l for l in r.stderr.splitlines() if l.startswith("compare:")][0])
+
+
+def test_gpu_dflash_bf16_files(laguna_gpu, exported, tmp_path):
+    """bf16 files take the tensor-core attention (the f32 fixtures take the scalar kernel), causal windowed (xs2) and
+    non-causal full (v16) drafters: draft logits vs the CPU on the same bf16 weights, and greedy with the drafter vs
+    the GPU's own greedy without it. bf16 K/V and GEMM inputs: the bf16 bar, reported and xfailed past it like the
+    other bf16 checks (the verify's 16-row GEMMs and the decode matvecs round differently)."""
+    worst, same = 0.0, True
+    for pair, P in (("xs2", 20), ("v16", 12)):
+        tgt, drf = DRAFT_PAIRS[pair]
+        target, drafter = exported(tgt, "--dtype", "bf16"), exported(drf, "--dtype", "bf16")
+        ids = score_ids(tgt)
+        got = {}
+        for dev in ("gpu", "cpu"):
+            out = tmp_path / f"dl_{dev}.bin"
+            run([laguna_gpu, target, "-d", drafter, "--ids", " ".join(ids[:P + 1]), "--draft-logits", str(out), "-q"]
+                + (["--cpu"] if dev == "cpu" else []))
+            got[dev] = np.fromfile(out, dtype=np.float32)
+        d = float(np.abs(got["gpu"] - got["cpu"]).max())
+        prompt = " ".join(ids[:P])
+        plain = greedy(laguna_gpu, target, prompt, "-n", "40")
+        with_d = greedy(laguna_gpu, target, prompt, "-n", "40", "-d", drafter)
+        print(f"\n[gpu dflash] {pair} bf16: draft logits max |GPU - CPU| = {d:.3g} (bar {TOL_BF16}); greedy with the "
+              f"drafter == without: {with_d == plain}")
+        worst, same = max(worst, d), same and with_d == plain
+    if worst > TOL_BF16 or not same:
+        pytest.xfail("bf16 K/V and GEMM-input rounding (dev/gpu_notes.md)")
+
+
+@pytest.mark.skipif(not os.path.exists(TINY), reason="models/tiny.bin is not in this checkout")
+def test_gpu_dflash_tiny_model(laguna_gpu):
+    """The shipped tiny model and its trained drafter (bf16): on the GPU the acceptance is real (tau like the CPU's,
+    bound 2.2 as in test_tiny.py) and the output equals the GPU's greedy without the drafter."""
+    import json
+    prompts = json.load(open(os.path.join(ROOT, "models", "src", "tiny-train", "heldout.json")))["prompts"][:8]
+    tot = {"gpu": [0, 0, 0], "cpu": [0, 0, 0]}
+    same = 0
+    for p in prompts:
+        cmd = [laguna_gpu, TINY, "--raw", "-t", "0", "-n", "64", p["text"]]
+        plain = run(cmd + ["-q"]).stdout
+        for dev in ("gpu", "cpu"):
+            r = run(cmd + ["-d", TINY_DRAFT] + (["--cpu"] if dev == "cpu" else []))
+            tot[dev] = [a + b for a, b in zip(tot[dev], dflash_counts(r.stderr))]
+            if dev == "gpu":
+                same += r.stdout == plain
+    tau = {k: 1 + v[2] / v[0] for k, v in tot.items()}
+    print(f"\n[gpu dflash] tiny model, {len(prompts)} held-out prompts x 64 tokens: tau GPU {tau['gpu']:.2f} "
+          f"(acceptance {tot['gpu'][2] / tot['gpu'][1]:.3f}), CPU {tau['cpu']:.2f}; GPU output with the drafter == "
+          f"without on {same}/{len(prompts)}")
+    assert tau["gpu"] >= 2.2
+    if same < len(prompts):
+        pytest.xfail("bf16: the verify's 16-row GEMMs and the decode matvecs round differently (dev/gpu_notes.md)")
