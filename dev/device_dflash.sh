@@ -19,6 +19,7 @@ left() { echo $((570 - (SECONDS - T0))); }       # seconds to the end of a 10-mi
 step "build (make cuda, make dev/bench_dflash)"
 { nvidia-smi -L; nvcc --version | tail -2; python3 -c "import numpy, pytest; print('numpy', numpy.__version__, 'pytest', pytest.__version__)"; } \
     > "$OUT/build.log" 2>&1
+make clean > /dev/null     # no stale laguna-cu.o kept from an earlier call
 if ! { make cuda && make dev/bench_dflash; } >> "$OUT/build.log" 2>&1; then
     echo "build FAILED (build.log):" | tee -a "$S"; tail -40 "$OUT/build.log" | tee -a "$S"; exit 1
 fi
