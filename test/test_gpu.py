@@ -220,13 +220,18 @@ def test_gpu_dflash_greedy_lossless(laguna_gpu, exported, pair, plens):
             got = greedy(laguna_gpu, target, prompt, "-n", "45", "-d", drafter, "--draft-max", k)
             assert got == cpu, (plen, k)
             runs += 1
-    r = run([laguna_gpu, target, "--ids", " ".join(score[:plens[-1]]), "-t", "0", "-n", "45", "-d", drafter])
-    steps, drafted, accepted = dflash_counts(r.stderr)
-    assert "gpu drafter:" in r.stderr
-    print(f"\n[gpu dflash] {pair}: {runs} runs with the drafter identical to the CPU without it; last prompt: "
-          f"{steps} steps, {drafted} drafted, {accepted} accepted")
+    total = 0
+    for plen in plens:                  # the same acceptance as the CPU's loop, step for step
+        args = [laguna_gpu, target, "--ids", " ".join(score[:plen]), "-t", "0", "-n", "45", "-d", drafter]
+        r = run(args)
+        counts = dflash_counts(r.stderr)
+        assert "gpu drafter:" in r.stderr
+        assert counts == dflash_counts(run(args + ["--cpu"]).stderr), plen
+        total += counts[2]
+    print(f"\n[gpu dflash] {pair}: {runs} runs with the drafter identical to the CPU without it; steps, drafted and "
+          f"accepted equal to the CPU's for every prompt; {total} drafts accepted in all")
     if pair == "v16":
-        assert accepted > 0          # blocks were partly accepted: the caches were rolled back mid-block
+        assert total > 0             # blocks were partly accepted: the caches were rolled back mid-block
 
 
 def test_gpu_dflash_rollback_logits_equal_a_fresh_pass(laguna_gpu, exported, tmp_path):
