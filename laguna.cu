@@ -612,7 +612,7 @@ __device__ __forceinline__ void kv_tile_load(const KV *kc, const KV *vc, int row
 }
 
 template <typename KV, int D>
-__global__ void __launch_bounds__(256)
+__global__ void __launch_bounds__(256, 2)
 attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc, int rows, int KVD,
                        const int *pos_ptr, int window, int nsplit, const float *q_norm, const float *k_norm,
                        const float *inv_freq, int rd, float rscale, float eps, float *part_o, float2 *part_ml,
