@@ -75,24 +75,18 @@ BASE = {
             bos_token_id=2, eos_token_id=[2, 24], pad_token_id=9, tie_word_embeddings=False,
             dflash_config={"block_size": 16, "mask_token_id": 12, "num_target_layers": 8,
                            "target_layer_ids": [1, 4, 7], "causal": True}),
-        # data (see train_drafter.py): code prompts cut like eval.py's from the train split's files, the target's
-        # greedy continuations, and its taps of every position, kept on the device
-        "prompts_per_file": 6, "gen_max_prompts": 65536,
-        "gen_prompt_min": 80, "gen_prompt_max": 320,   # tokens incl. BOS (eval's held-out prompts: 94..294)
-        "gen_new": 144,                  # eval generates 128; + B-1 so that the last anchors have every label
-        "gen_seconds": 75,               # generation stops here (or earlier, to leave min_train_seconds)
-        "gen_batch": 8192,               # prompts per generation batch (one length: cut to the batch's shortest)
-        "gen_val": 512, "gen_val_batch": 128,   # held-out prompts (val split) for the loop's tau
-        "tap_chunk": 256,                # rows per target pass when capturing taps
-        "batch": 128,                    # sequences per step
-        "anchors": 32,                   # blocks per sequence, among the continuation positions
-        "seconds": 300,                  # training loop (at most; the run's deadline usually ends it first)
-        "min_train_seconds": 150,
+        "seq_len": 512,
+        "batch": 64,
+        "anchors": 32,                   # blocks per sequence
+        "seconds": 120,                  # training loop
+        "gen_seconds": 25,               # greedy continuations of the target (its own outputs) to train on
+        "gen_batch": 2048, "gen_prompt": 64, "gen_val": 256,   # gen_val: held-out greedy sequences for eval
+        "gen_mix": 0.7,                  # fraction of batches drawn from the generated sequences
+        "labels": "target",              # "target": the target's greedy token at each position; "data": corpus
         "loss_gamma": 7.0,               # slot o weighs exp(-(o-1)/gamma) (DFlash paper)
         "lr": 2e-3, "min_lr_frac": 0.05, "warmup_steps": 100,
         "betas": [0.9, 0.95], "weight_decay": 0.01, "grad_clip": 1.0,
-        "eval_every_s": 20,
-        "eval_n": 128, "eval_rows": 32,  # the loop's tau over eval_n tokens, eval_rows sequences at a time
+        "eval_every_s": 20, "eval_batches": 4,
     },
 }
 
@@ -106,11 +100,9 @@ SMOKE = {
                              num_experts_per_tok=2, sliding_window=64), "batch": 8, "seq_len": 256, "seconds": 20, "warmup_steps": 10,
                "eval_every_s": 8, "eval_batches": 2, "experts_impl": ["eager"]},
     "drafter": {"model": dict(vocab_size=2048, draft_vocab_size=2048, hidden_size=96, head_dim=16,
-                              num_attention_heads=4, intermediate_size=192, sliding_window=64),
-                "prompts_per_file": 2, "gen_max_prompts": 256, "gen_prompt_min": 16, "gen_prompt_max": 128,
-                "gen_new": 40, "gen_seconds": 20, "gen_batch": 64, "gen_val": 16, "gen_val_batch": 16, "tap_chunk": 16,
-                "batch": 8, "anchors": 8, "seconds": 20, "min_train_seconds": 10, "warmup_steps": 10,
-                "eval_every_s": 8, "eval_n": 24, "eval_rows": 8},
+                              num_attention_heads=4, intermediate_size=192, sliding_window=64), "batch": 8, "seq_len": 256, "anchors": 8,
+                "seconds": 20, "gen_seconds": 10, "gen_batch": 8, "gen_prompt": 32, "gen_val": 8, "warmup_steps": 10,
+                "eval_every_s": 8, "eval_batches": 2},
 }
 
 
