@@ -192,6 +192,18 @@ def train_laguna_bpe(texts, vocab_size, min_frequency=2):
     return tok, names
 
 
+def laguna_tokenizer_config(names, model_max_length):
+    """tokenizer_config.json for the added tokens `names` (ids 0..69), as Laguna's checkpoints have it."""
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "〈|EOS|〉", "eos_token": "〈|EOS|〉", "pad_token": "〈|PAD|〉", "unk_token": "〈|UNK|〉",
+        "model_max_length": model_max_length,
+        "added_tokens_decoder": {str(i): {"content": n, "lstrip": False, "normalized": False, "rstrip": False,
+                                          "single_word": False, "special": i not in NOT_SPECIAL}
+                                 for i, n in enumerate(names)},
+    }
+
+
 def build(outdir):
     byte_map = bytes_to_unicode()
     tok, names = train_laguna_bpe(training_corpus(), VOCAB_SIZE)
@@ -203,14 +215,7 @@ def build(outdir):
     assert [a["id"] for a in j["added_tokens"]] == list(range(70)), "added tokens must be ids 0..69"
     assert j["model"]["vocab"][byte_map[0][1]] == 70 and len(j["model"]["vocab"]) == VOCAB_SIZE
 
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": "〈|EOS|〉", "eos_token": "〈|EOS|〉", "pad_token": "〈|PAD|〉", "unk_token": "〈|UNK|〉",
-        "model_max_length": 1000000000000000019884624838656,
-        "added_tokens_decoder": {str(i): {"content": n, "lstrip": False, "normalized": False, "rstrip": False,
-                                          "single_word": False, "special": i not in NOT_SPECIAL}
-                                 for i, n in enumerate(names)},
-    }
+    config = laguna_tokenizer_config(names, 1000000000000000019884624838656)
     with open(os.path.join(outdir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
         json.dump(config, f, ensure_ascii=False, indent=2)
     with open(os.path.join(outdir, "chat_template.jinja"), "w", encoding="utf-8") as f:

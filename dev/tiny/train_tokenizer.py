@@ -31,7 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(ROOT, "test"))
 import config  # noqa: E402
-from make_tokenizer import NOT_SPECIAL, train_laguna_bpe  # noqa: E402
+from make_tokenizer import laguna_tokenizer_config, train_laguna_bpe  # noqa: E402
 
 TEMPLATE = os.path.join(ROOT, "test", "data", "tokenizer", "chat_template.jinja")
 BOS = 2
@@ -43,14 +43,7 @@ def train_tokenizer(texts, vocab_size, min_frequency):
 
 
 def tokenizer_config(names):
-    return {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": "〈|EOS|〉", "eos_token": "〈|EOS|〉", "pad_token": "〈|PAD|〉", "unk_token": "〈|UNK|〉",
-        "model_max_length": 4096,
-        "added_tokens_decoder": {str(i): {"content": n, "lstrip": False, "normalized": False, "rstrip": False,
-                                          "single_word": False, "special": i not in NOT_SPECIAL}
-                                 for i, n in enumerate(names)},
-    }
+    return laguna_tokenizer_config(names, 4096)
 
 
 DEF_RE = re.compile(r"^( *)(?:async )?def \w+\(.*\)(?: -> [^:]+)?:\s*$")
