@@ -2363,8 +2363,9 @@ extern "C" float *gpu_forward(GpuModel *g, const int *tokens, int n, int pos, in
 
 /* One decode step: forward `token` at `pos` and sample the next token on the device. The whole step (the
  * parameters' upload, ~290 kernels (7 per MoE layer), the sampler, the token's download) is one CUDA graph,
- * captured at init; the token and position live in device memory, so the same graph serves every position. A graph rather
- * than a persistent kernel: the kernels stay small and separately testable, and replay removes the launch gaps. */
+ * captured at init; the token and position live in device memory, so the same graph serves every position.
+ * A graph rather than a persistent kernel: the kernels stay small and separately testable, and replay removes
+ * the launch gaps. */
 static void enqueue_decode(GpuModel *g) {
     CUDA_CHECK(cudaMemcpyAsync(g->d_step, g->h_step, sizeof(Step), cudaMemcpyHostToDevice, g->stream));
     CUDA_CHECK(cudaMemcpyAsync(g->tokens, &g->d_step->token, sizeof(int), cudaMemcpyDeviceToDevice, g->stream));
