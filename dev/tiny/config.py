@@ -68,25 +68,32 @@ BASE = {
     "drafter": {
         "model": dict(
             architectures=["DFlashLagunaForCausalLM"], model_type="laguna", vocab_size=8192, draft_vocab_size=8192,
-            hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=8,
+            hidden_size=256, intermediate_size=1024, num_hidden_layers=3, num_attention_heads=8,
             num_key_value_heads=2, head_dim=32, hidden_act="silu", attention_bias=False,
-            layer_types=["sliding_attention"] * 2, sliding_window=256, rms_norm_eps=1e-6, gating="per-head",
+            layer_types=["sliding_attention"] * 3, sliding_window=256, rms_norm_eps=1e-6, gating="per-head",
             max_position_embeddings=4096, rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
             bos_token_id=2, eos_token_id=[2, 24], pad_token_id=9, tie_word_embeddings=False,
             dflash_config={"block_size": 16, "mask_token_id": 12, "num_target_layers": 8,
                            "target_layer_ids": [1, 4, 7], "causal": True}),
-        "seq_len": 512,
-        "batch": 64,
-        "anchors": 32,                   # blocks per sequence
-        "seconds": 120,                  # training loop
-        "gen_seconds": 25,               # greedy continuations of the target (its own outputs) to train on
-        "gen_batch": 2048, "gen_prompt": 64, "gen_val": 256,   # gen_val: held-out greedy sequences for eval
-        "gen_mix": 0.7,                  # fraction of batches drawn from the generated sequences
-        "labels": "target",              # "target": the target's greedy token at each position; "data": corpus
+        # data (see train_drafter.py): code prompts cut like eval.py's from the train split's files, the target's
+        # greedy continuations, and its taps of every position, kept on the device
+        "prompts_per_file": 12, "gen_max_prompts": 65536,
+        "gen_prompt_min": 80, "gen_prompt_max": 320,   # tokens incl. BOS (eval's held-out prompts: 94..294)
+        "gen_new": 144,                  # eval generates 128; + B-1 so that the last anchors have every label
+        "gen_seconds": 90,               # generation stops here (or earlier, to leave min_train_seconds)
+        "gen_batch": 16384,              # prompts per generation batch (one length: cut to the batch's shortest);
+                                         # a decode step costs about the same at any batch size (launch-bound)
+        "gen_val": 512,                  # held-out prompts (val split, generated in the same batches): the metric
+        "tap_chunk": 256,                # rows per target pass when capturing taps
+        "batch": 128,                    # sequences per step
+        "anchors": 32,                   # blocks per sequence, among the continuation positions
+        "seconds": 300,                  # training loop (at most; the run's deadline usually ends it first)
+        "min_train_seconds": 150,
         "loss_gamma": 7.0,               # slot o weighs exp(-(o-1)/gamma) (DFlash paper)
         "lr": 2e-3, "min_lr_frac": 0.05, "warmup_steps": 100,
         "betas": [0.9, 0.95], "weight_decay": 0.01, "grad_clip": 1.0,
-        "eval_every_s": 20, "eval_batches": 4,
+        "eval_every_s": 25,
+        "eval_n": 128, "eval_rows": 32,  # the loop's tau over eval_n tokens, eval_rows sequences at a time
     },
 }
 
@@ -100,9 +107,11 @@ SMOKE = {
                              num_experts_per_tok=2, sliding_window=64), "batch": 8, "seq_len": 256, "seconds": 20, "warmup_steps": 10,
                "eval_every_s": 8, "eval_batches": 2, "experts_impl": ["eager"]},
     "drafter": {"model": dict(vocab_size=2048, draft_vocab_size=2048, hidden_size=96, head_dim=16,
-                              num_attention_heads=4, intermediate_size=192, sliding_window=64), "batch": 8, "seq_len": 256, "anchors": 8,
-                "seconds": 20, "gen_seconds": 10, "gen_batch": 8, "gen_prompt": 32, "gen_val": 8, "warmup_steps": 10,
-                "eval_every_s": 8, "eval_batches": 2},
+                              num_attention_heads=4, intermediate_size=192, sliding_window=64),
+                "prompts_per_file": 2, "gen_max_prompts": 256, "gen_prompt_min": 16, "gen_prompt_max": 128,
+                "gen_new": 40, "gen_seconds": 20, "gen_batch": 64, "gen_val": 16, "tap_chunk": 16,
+                "batch": 8, "anchors": 8, "seconds": 20, "min_train_seconds": 10, "warmup_steps": 10,
+                "eval_every_s": 8, "eval_n": 24, "eval_rows": 8},
 }
 
 

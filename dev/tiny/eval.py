@@ -3,7 +3,8 @@
 
     python3 dev/tiny/eval.py --model models/tiny.bin [--drafter models/tiny-dflash.bin]
                              [--heldout models/src/tiny-train/heldout.json] [--laguna ./laguna]
-                             [--n 128] [--prompts 24] [--chunk 512] [--out eval.json] [--plot acceptance.png]
+                             [--n 128] [--prompts 24] [--chunk 512] [--jobs J] [--no-perplexity]
+                             [--out eval.json] [--plot acceptance.png]
 
 1. Held-out perplexity: every held-out file as [BOS] + ids, cut into windows of --chunk+1 tokens (the training
    length), each scored with `laguna MODEL --score IDS_FILE`; the token-weighted mean NLL and its exp. The ids
@@ -11,10 +12,13 @@
 2. DFlash (with --drafter): every held-out prompt through `laguna MODEL -d DRAFT --raw -t 0 -n N` and without the
    drafter; the greedy outputs must be identical; steps / drafted / accepted are summed over prompts: acceptance
    = accepted / drafted, tau = 1 + accepted / steps (incl. the bonus token), and the per-block-position rate.
+   --jobs J runs J prompts at a time, each laguna with OMP_NUM_THREADS = cores / J (a tiny model does not keep
+   many threads busy); the results do not depend on it.
 Prints a summary, writes --out (JSON) and, if matplotlib is importable, --plot. Exit status 1 if a greedy
 output differs with the drafter or the C tokenizer disagrees with the stored ids.
 """
 import argparse
+import concurrent.futures
 import json
 import math
 import os
@@ -31,8 +35,8 @@ POS_RE = re.compile(r"dflash: acceptance per block position:((?: [\d.]+)+)")
 SCORE_RE = re.compile(r"tokens (\d+)\s+mean_nll ([-\d.eE+naif]+)\s+perplexity")
 
 
-def run(cmd, check=True):
-    p = subprocess.run(cmd, capture_output=True, text=True)
+def run(cmd, check=True, env=None):
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if check and p.returncode != 0:
         raise SystemExit(f"failed ({p.returncode}): {' '.join(cmd[:6])} ...\n{p.stderr[-2000:]}")
     return p
@@ -78,13 +82,25 @@ def perplexity(a, files, tmp):
 def dflash(a, prompts, tmp):
     tot = {"steps": 0, "drafted": 0, "accepted": 0}
     pos_acc, per_prompt, mismatches = None, [], []
-    for i, p in enumerate(prompts):
-        path = os.path.join(tmp, "prompt.txt")
+    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // a.jobs))) if a.jobs > 1 else None
+
+    def both(i):
+        """laguna with and without the drafter on prompt i"""
+        path = os.path.join(tmp, f"prompt{i}.txt")
         with open(path, "w", encoding="utf-8") as fo:
-            fo.write(p["text"])
+            fo.write(prompts[i]["text"])
         base = [a.laguna, a.model, "--raw", "-t", "0", "-n", str(a.n), "-i", path]
-        with_d = run(base + ["-d", a.drafter])
-        plain = run(base)
+        return run(base + ["-d", a.drafter], env=env), run(base, env=env)
+
+    results = [None] * len(prompts)
+    with concurrent.futures.ThreadPoolExecutor(max(1, a.jobs)) as ex:
+        futures = {ex.submit(both, i): i for i in range(len(prompts))}
+        for f in concurrent.futures.as_completed(futures):      # progress, in case the run is cut short
+            i = futures[f]
+            results[i] = f.result()
+            m = DF_RE.search(results[i][0].stderr)
+            print(f"  prompt {i}: {'tau ' + m.group(5) if m else 'no dflash line'}", flush=True)
+    for i, (p, (with_d, plain)) in enumerate(zip(prompts, results)):
         same = with_d.stdout == plain.stdout
         if not same:
             mismatches.append(i)
@@ -143,6 +159,8 @@ def main():
     ap.add_argument("--chunk", type=int, default=512, help="scoring window (tokens predicted per --score call)")
     ap.add_argument("--max-files", type=int, default=0, help="score at most this many held-out files (0: all)")
     ap.add_argument("--no-tokenize-check", action="store_true")
+    ap.add_argument("--no-perplexity", action="store_true", help="skip the held-out perplexity (DFlash only)")
+    ap.add_argument("--jobs", type=int, default=1, help="prompts run at a time (DFlash)")
     ap.add_argument("--out", help="write the results as JSON here")
     ap.add_argument("--plot", help="per-position acceptance PNG (needs matplotlib)")
     a = ap.parse_args()
@@ -161,10 +179,11 @@ def main():
             print(f"tokenizer: laguna --tokenize {'matches' if not diff else 'DIFFERS from'} the stored ids "
                   f"on {len(files) - len(diff)}/{len(files)} files")
             bad |= bool(diff)
-        nll, n = perplexity(a, files, tmp)
-        res["heldout"] = {"files": len(files), "tokens_scored": n, "mean_nll": nll, "perplexity": math.exp(nll),
-                          "chunk": a.chunk}
-        print(f"held-out: {len(files)} files, {n} tokens scored: mean NLL {nll:.4f}, perplexity {math.exp(nll):.3f}")
+        if not a.no_perplexity:
+            nll, n = perplexity(a, files, tmp)
+            res["heldout"] = {"files": len(files), "tokens_scored": n, "mean_nll": nll, "perplexity": math.exp(nll),
+                              "chunk": a.chunk}
+            print(f"held-out: {len(files)} files, {n} tokens scored: mean NLL {nll:.4f}, perplexity {math.exp(nll):.3f}")
         if a.drafter:
             d = dflash(a, ho["prompts"][:a.prompts], tmp)
             res["dflash"] = d

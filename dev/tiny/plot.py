@@ -38,9 +38,10 @@ def panels(train_dir, ev):
                     [("train", [(x / 1e6, y) for x, y in col(t, "tokens", "train_loss")], "line"),
                      ("held-out", [(x / 1e6, y) for x, y in col(t, "tokens", "val_loss")], "line")]))
     if d:
-        out.append(("drafter: implied tau (held-out)", "blocks (K)", "tau",
-                    [("greedy continuations", [(x / 1e3, y) for x, y in col(d, "blocks", "valgen_tau")], "line"),
-                     ("corpus windows", [(x / 1e3, y) for x, y in col(d, "blocks", "val_tau")], "line")]))
+        out.append(("drafter: held-out tau of the speculative loop", "blocks (M)", "tau",
+                    [("tau (the loop's, as laguna)", [(x / 1e6, y) for x, y in col(d, "blocks", "val_tau")], "line"),
+                     ("mean L over anchors (optimistic)",
+                      [(x / 1e6, y) for x, y in col(d, "blocks", "val_tau_uniform")], "line")]))
     acc = None
     if ev and ev.get("dflash"):
         dd = ev["dflash"]

@@ -93,8 +93,8 @@ else:
     print("target: FAILED (see the log)")
 if d:
     print(f"drafter: {d['parameters']/1e6:.2f}M params, {d['steps']} steps, {d['blocks']/1e6:.2f}M blocks, "
-          f"{d['generated_sequences']} generated sequences; held-out tau (python) {d['best_val_tau']:.3f}; per-slot "
-          + " ".join(f"{x:.2f}" for x in d["best_val_acc_per_slot"]))
+          f"{d['generated_sequences']} generated sequences; held-out tau of the loop (python) {d['best_val_tau']:.3f}; "
+          "per position " + " ".join(f"{x:.2f}" for x in d["best_val_acc_per_position"]))
 else:
     print("drafter: FAILED or skipped (see the log)")
 PYEOF

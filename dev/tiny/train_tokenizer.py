@@ -49,6 +49,15 @@ def tokenizer_config(names):
 DEF_RE = re.compile(r"^( *)(?:async )?def \w+\(.*\)(?: -> [^:]+)?:\s*$")
 
 
+def code_prompts(text):
+    """The code prompts of a file, as the held-out set cuts them (and the drafter's training data, like them):
+    [(line index, text)] for every def line with at least 4 lines above it; the text is up to 16 lines ending
+    with that def line, without a final newline (the model writes the body)."""
+    lines = text.split("\n")
+    return [(i, "\n".join(lines[max(0, i - 15):i + 1])) for i, l in enumerate(lines)
+            if i >= 4 and "def " in l and DEF_RE.match(l)]
+
+
 def functions(text, min_lines, max_lines):
     """(signature, function source) of the top-level and nested functions with a one-line signature."""
     lines = text.split("\n")
@@ -129,10 +138,9 @@ def heldout_set(tok, val, packages, tc, rng):
     # prompts: up to 16 lines of context ending with a def line (no newline: the model writes the body)
     per_file = []
     for fi, f in enumerate(files):
-        lines = f["text"].split("\n")
-        spots = [i for i, l in enumerate(lines) if DEF_RE.match(l) and i >= 4]
+        spots = code_prompts(f["text"])
         rng.shuffle(spots)
-        per_file.append([(fi, i, "\n".join(lines[max(0, i - 15):i + 1])) for i in spots])
+        per_file.append([(fi, i, text) for i, text in spots])
     prompts = []
     while len(prompts) < tc["heldout_prompts"] and any(per_file):
         for lst in per_file:
