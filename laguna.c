@@ -1386,19 +1386,32 @@ static void dflash_free(DFlash *df) {
  * Every bf16/f32 tensor of 2+ dims (embedding, attention, dense MLP, router, experts, shared expert, lm_head)
  * gets uniform values of std 1/sqrt(fan_in) from a counter hash of (seed, FNV-1a of its name, element index),
  * rounded to bf16. laguna.cu computes the same numbers on the device (no copy of the file's zeros), so the
- * CPU and the GPU run identical weights. Norms, biases, the correction bias and the rope tables keep the file's
+ * CPU and the GPU run identical weights. A q8 / q4 tensor gets those values quantized per group as export.py
+ * would (random_qgroup in laguna.h). Norms, biases, the correction bias and the rope tables keep the file's
  * values. The private mapping is made writable: the written pages become this process's memory. */
 
 static void randomize_weights(Model *m, uint64_t seed) {
     if (mprotect(m->map, m->file_size, PROT_READ | PROT_WRITE) != 0) die("--random-weights: mprotect: %s", strerror(errno));
     for (uint64_t t = 0; t < m->n_tensors; t++) {
         const TensorEntry *e = &m->dir[t];
-        if ((e->dtype != DT_BF16 && e->dtype != DT_F32) || e->ndim < 2) continue;
+        if ((e->dtype != DT_BF16 && e->dtype != DT_F32 && e->dtype != DT_Q8 && e->dtype != DT_Q4) || e->ndim < 2)
+            continue;
         uint64_t key = name_key(e->name);
         int64_t n = 1;
         for (uint32_t d = 0; d < e->ndim; d++) n *= e->shape[d];
-        float a = sqrtf(3.0f / (float)e->shape[e->ndim - 1]);
+        int64_t cols = e->shape[e->ndim - 1];
+        float a = sqrtf(3.0f / (float)cols);
         char *data = (char *)m->map + e->offset;
+        if (e->dtype == DT_Q8 || e->dtype == DT_Q4) {   /* planar: every row's values, then every row's scales */
+            int64_t groups = (cols + LAGUNA_QGROUP - 1) / LAGUNA_QGROUP, ng = n / cols * groups;
+            int gb = e->dtype == DT_Q8 ? LAGUNA_QGROUP : LAGUNA_QGROUP / 2;
+            uint16_t *scales = (uint16_t *)(data + ng * gb);
+#pragma omp parallel for schedule(static)
+            for (int64_t i = 0; i < ng; i++)
+                random_qgroup((int)e->dtype, seed, key, (uint64_t)(i / groups), cols, i % groups, a,
+                              (uint8_t *)data + i * gb, scales + i);
+            continue;
+        }
 #pragma omp parallel for schedule(static)
         for (int64_t i = 0; i < n; i++) {
             float v = random_weight(seed, key, (uint64_t)i, a);

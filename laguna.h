@@ -9,6 +9,7 @@
 #ifndef LAGUNA_H
 #define LAGUNA_H
 
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -228,6 +229,57 @@ static inline LAGUNA_HD float random_weight(uint64_t seed, uint64_t key, uint64_
     b.f = v;
     b.u = (b.u + 0x7FFFu + ((b.u >> 16) & 1u)) & 0xFFFF0000u; /* round to nearest even bf16 */
     return b.f;
+}
+/* fp32 -> fp16 bits, round to nearest even; and back (exact). Host and device alike, for the q8/q4 fill below. */
+static inline LAGUNA_HD uint16_t fp16_bits(float f) {
+    union { float f; uint32_t u; } b;
+    b.f = f;
+    uint32_t sign = (b.u >> 16) & 0x8000u, u = b.u & 0x7FFFFFFFu, e = u >> 23;
+    if (u > 0x7F800000u) return (uint16_t)(sign | 0x7E00u);                  /* nan */
+    if (e >= 143) return (uint16_t)(sign | 0x7C00u);                          /* >= 2^16: inf */
+    uint32_t m = (u & 0x7FFFFFu) | 0x800000u, shift, h;
+    if (e >= 113) { shift = 13; h = ((e - 112) << 10) | ((m >> 13) & 0x3FFu); } /* normal */
+    else if (e >= 102) { shift = 126 - e; h = m >> shift; }                    /* subnormal: units of 2^-24 */
+    else return (uint16_t)sign;                                               /* below half of 2^-24 */
+    uint32_t rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
+    if (rem > half || (rem == half && (h & 1))) h++;                          /* a carry may reach inf: right */
+    return (uint16_t)(sign | h);
+}
+static inline LAGUNA_HD float fp16_value(uint16_t h) {
+    uint32_t e = (h >> 10) & 0x1F, m = h & 0x3FF;
+    float v;
+    if (e == 0) v = (float)m * (1.0f / 16777216.0f);                         /* subnormal: m * 2^-24 */
+    else {
+        union { uint32_t u; float f; } b;
+        b.u = e == 31 ? 0x7F800000u | (m << 13) : ((e + 112) << 23) | (m << 13);
+        v = b.f;
+    }
+    return h & 0x8000 ? -v : v;
+}
+/* --random-weights on a q8 / q4 tensor: group g (32 columns) of row r takes the hash values a bf16 file would get
+ * (element index r * cols + c), quantized as export.py quantizes: q8 d = max|w| / 127, q = round(w / d); q4
+ * d = m / -8 with m the value of largest magnitude, q = clamp(round(w / d) + 8, 0, 15); columns past cols are 0.
+ * Writes the group's 32 (q8) or 16 (q4) value bytes and its fp16 scale. */
+static inline LAGUNA_HD void random_qgroup(int dtype, uint64_t seed, uint64_t key, uint64_t r, int64_t cols,
+                                           int64_t g, float a, uint8_t *vals, uint16_t *scale) {
+    float w[32], amax = 0.0f, m = 0.0f;
+    for (int i = 0; i < 32; i++) {
+        int64_t c = g * 32 + i;
+        w[i] = c < cols ? random_weight(seed, key, r * (uint64_t)cols + (uint64_t)c, a) : 0.0f;
+        if (fabsf(w[i]) > amax) { amax = fabsf(w[i]); m = w[i]; }
+    }
+    uint16_t h = fp16_bits(dtype == DT_Q8 ? amax / 127.0f : m / -8.0f);
+    float d = fp16_value(h), inv = d != 0.0f ? 1.0f / d : 0.0f;
+    *scale = h;
+    for (int i = 0; i < 32; i++) {                           /* w[i] becomes the stored code */
+        float q = rintf(w[i] * inv);
+        w[i] = dtype == DT_Q8 ? (q < -127.0f ? -127.0f : q > 127.0f ? 127.0f : q)
+                              : (q + 8.0f < 0.0f ? 0.0f : q + 8.0f > 15.0f ? 15.0f : q + 8.0f);
+    }
+    if (dtype == DT_Q8)
+        for (int i = 0; i < 32; i++) vals[i] = (uint8_t)(int8_t)w[i];
+    else
+        for (int i = 0; i < 16; i++) vals[i] = (uint8_t)((int)w[2 * i] | (int)w[2 * i + 1] << 4);
 }
 static inline uint64_t name_key(const char *s) {
     uint64_t h = 0xcbf29ce484222325ull;

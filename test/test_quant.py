@@ -118,3 +118,53 @@ def test_loader_refuses_inconsistent_quantized_tensor(laguna, exported, tmp_path
             struct.pack_into("<q", data, doff + i * 128 + 96, 65)
     p.write_bytes(bytes(data))
     expect_error([laguna, str(p), "--ids", "1 2"], "k_proj")
+
+
+def hash_weights(seed, name, shape):
+    """laguna.h's --random-weights values in numpy: uniform of std 1/sqrt(fan_in) from a counter hash of (seed,
+    FNV-1a of the name, element index), rounded to bf16 (as float32)."""
+    def splitmix(x):
+        x = x + np.uint64(0x9E3779B97F4A7C15)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+    key = 0xcbf29ce484222325
+    for ch in name.encode():
+        key = ((key ^ ch) * 0x100000001b3) & ((1 << 64) - 1)
+    base = splitmix(np.array([seed ^ key], dtype=np.uint64))
+    h = splitmix(base + np.arange(int(np.prod(shape)), dtype=np.uint64))
+    s = (h >> np.uint64(40)).astype(np.int64) - (1 << 23)
+    a = np.sqrt(np.float32(3.0) / np.float32(shape[-1]))
+    v = s.astype(np.float32) * (a * np.float32(1.0 / 8388608.0))
+    u = v.view(np.uint32)
+    u = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+    return u.view(np.float32).reshape(shape)
+
+
+@pytest.mark.parametrize("dtype", ["q8", "q4"])
+def test_random_weights_on_quantized_file_are_the_quantized_hash_values(laguna, exported, tmp_path, dtype):
+    """--random-weights on a q8 / q4 file (the GPU benchmark's synthetic files) fills every matmul weight with
+    export.py's quantization of the bf16 hash values (laguna.cu fills the same bytes on the device): the logits
+    equal those of a file written here with those weights."""
+    q = exported("xs2_f32", "--dtype", dtype)
+    b, _, _, ents, _ = read_file(q)
+    data = bytearray(b)
+    for name, dt, shape, off in ents:
+        if len(shape) < 2 or dt not in (0, 1, 3, 4):
+            continue
+        w = hash_weights(1, name, shape)
+        if dt in (3, 4):
+            vals, sc, _ = export.quantize_rows(w.reshape(-1, shape[-1]), dt)
+            raw = vals.tobytes() + sc.view(np.uint16).tobytes()
+        else:
+            raw = (w if dt == 0 else (w.view(np.uint32) >> 16).astype(np.uint16)).tobytes()
+        data[off:off + len(raw)] = raw
+    want = tmp_path / "want.bin"
+    want.write_bytes(bytes(data))
+    score = f"{FIXTURES}/xs2_f32/score.txt"
+    out = {}
+    for key, path, extra in (("hook", q, ["--random-weights", "1"]), ("file", str(want), []), ("plain", q, [])):
+        run([laguna, path, "--score", score, "--logits", str(tmp_path / f"{key}.bin"), "-q", *extra])
+        out[key] = np.fromfile(tmp_path / f"{key}.bin", dtype=np.float32)
+    assert np.array_equal(out["hook"], out["file"])
+    assert not np.array_equal(out["hook"], out["plain"])
