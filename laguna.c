@@ -1666,12 +1666,12 @@ int main(int argc, char **argv) {
     }
 
     char info[256] = "";
-    /* the backend first: it sets the default chunk. Quantized files run on the CPU for now. */
+    /* the backend first: it sets the default chunk. DFlash with a quantized target runs on the CPU for now. */
     int quantized = 0;
     for (uint64_t i = 0; i < model.n_tensors; i++) quantized |= model.dir[i].dtype == DT_Q8 || model.dir[i].dtype == DT_Q4;
     int use_gpu = !o.cpu && gpu_available(info, sizeof info);
-    if (use_gpu && quantized) {
-        if (!o.quiet) fprintf(stderr, "note: a quantized model runs on the CPU backend in this version\n");
+    if (use_gpu && quantized && o.draft_path) {
+        if (!o.quiet) fprintf(stderr, "note: DFlash with a quantized model runs on the CPU backend in this version\n");
         use_gpu = 0;
     }
     int max_tokens = o.chunk ? o.chunk : use_gpu ? 2048 : 64;   /* GPU: big prefill chunks */

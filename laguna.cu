@@ -124,6 +124,123 @@ template <typename T> __device__ __forceinline__ T from_f(float x);
 template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
 template <> __device__ __forceinline__ bf16 from_f<bf16>(float x) { return __float2bfloat16(x); }
 
+/* ---- weight formats ----
+ * The weight kernels are templates over the format W of the rows they stream: bf16 or float (the file's dtype), or
+ * Q8 / Q4 (quantized files: int8 or 4-bit values, one fp16 scale per group of 32 weights of a row). A matrix, or a
+ * stack of expert matrices, travels as a WPtr: the values and, for Q8 / Q4, the scale plane, as in the file (rows
+ * padded to whole groups). A lane's unit of work is a chunk of CH consecutive weights of a row, read with one
+ * 16-byte load (f32: two): bf16 / f32 8 weights, Q8 16 (half a group), Q4 32 (one group), plus for Q8 / Q4 the
+ * group's fp16 scale. wvals8 turns 8 weights of a chunk into floats in registers; chunk_dot multiplies a chunk's
+ * partial dot product by its scale. A quantized chunk holds 2x / 4x the weights of a bf16 one, so the decode kernels
+ * work on RG rows at once (Q8 2, Q4 4): a lane keeps as many 16-byte loads in flight as with bf16, and each x value
+ * it loads serves RG rows. bf16 / f32 (RG 1, no scale) run the instructions they ran before the template. */
+struct Q8 {};
+struct Q4 {};
+struct WPtr {
+    const void *v;           /* the values: bf16 / f32 weights, or the q8 / q4 value plane */
+    const uint16_t *s;       /* Q8 / Q4: fp16 scales [rows][groups]; NULL otherwise */
+    WPtr() = default;
+    __host__ __device__ WPtr(const void *v_, const uint16_t *s_ = NULL) : v(v_), s(s_) {}
+};
+struct QChunk { uint4 a; uint16_t s; };      /* 16 bytes of q8 / q4 values and their group's scale */
+template <typename W> struct Fmt;
+template <> struct Fmt<bf16> { typedef W8 Chunk; enum { DT = DT_BF16, CH = 8, RG = 1, GB = 0 }; };
+template <> struct Fmt<float> { typedef W8 Chunk; enum { DT = DT_F32, CH = 8, RG = 1, GB = 0 }; };
+template <> struct Fmt<Q8> { typedef QChunk Chunk; enum { DT = DT_Q8, CH = 16, RG = 2, GB = LAGUNA_QGROUP }; };
+template <> struct Fmt<Q4> { typedef QChunk Chunk; enum { DT = DT_Q4, CH = 32, RG = 4, GB = LAGUNA_QGROUP / 2 }; };
+template <typename W> constexpr bool is_q = Fmt<W>::GB != 0;    /* GB: value bytes per group */
+
+/* row r of a matrix with rows of `in` weights */
+template <typename W> __host__ __device__ __forceinline__ WPtr wrow(WPtr m, size_t r, int in) {
+    if constexpr (!is_q<W>) return WPtr((const W *)m.v + r * in);
+    else {
+        size_t groups = (in + LAGUNA_QGROUP - 1) / LAGUNA_QGROUP;
+        return WPtr((const char *)m.v + r * groups * Fmt<W>::GB, m.s + r * groups);
+    }
+}
+/* the chunk of a row that starts at column k (a multiple of CH) */
+template <typename W> __device__ __forceinline__ typename Fmt<W>::Chunk wload(WPtr row, int k) {
+    if constexpr (!is_q<W>) return load_w8((const W *)row.v + k);
+    else {
+        QChunk c;
+        c.a = ld_stream((const char *)row.v + (size_t)k * Fmt<W>::GB / LAGUNA_QGROUP);
+        c.s = __ldg(row.s + k / LAGUNA_QGROUP);
+        return c;
+    }
+}
+/* weights 8b..8b+7 of a chunk as floats, before the scale. q8 / q4 values are small integers, made exactly with the
+ * float trick (2^23 + n) - (2^23 + offset): the byte or nibble dropped into the mantissa, no int -> float conversion */
+template <typename W> __device__ __forceinline__ void wvals8(const typename Fmt<W>::Chunk &c, int b, float f[8]) {
+    if constexpr (!is_q<W>) { (void)b; unpack_w8(c, (const W *)NULL, f); }
+    else if constexpr (Fmt<W>::DT == DT_Q8) {
+        const uint32_t *w = (const uint32_t *)&c.a + 2 * b;
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            uint32_t u = w[j] ^ 0x80808080u;                 /* int8 v -> the byte v + 128 */
+#pragma unroll
+            for (int i = 0; i < 4; i++) f[4 * j + i] = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7440 + i)) - 8388736.0f;
+        }
+    } else {
+        uint32_t w = ((const uint32_t *)&c.a)[b];            /* low nibble first: nibble i is weight i, value - 8 */
+#pragma unroll
+        for (int i = 0; i < 8; i++) f[i] = __uint_as_float(0x4B000000u | ((w >> (4 * i)) & 15u)) - 8388616.0f;
+    }
+}
+template <typename W> __device__ __forceinline__ float wscale(const typename Fmt<W>::Chunk &c) {
+    if constexpr (!is_q<W>) return 1.0f;
+    else return __half2float(__ushort_as_half(c.s));
+}
+/* acc[j] += c[j] . x for R chunks of R rows at the same columns: n of the chunk's CH columns lie inside the row (the
+ * last chunk of a quantized row may be partial; n is a multiple of 8); x8(b, f) loads the 8 activations of sub-chunk
+ * b. Quantized: the sub-chunks' sum times the group's scale. */
+template <typename W, int R, typename X>
+__device__ __forceinline__ void chunk_dot(const typename Fmt<W>::Chunk *c, int n, X x8, float *acc) {
+    float xv[8], wv[8];
+    if constexpr (!is_q<W>) {
+        (void)n;
+        x8(0, xv);
+#pragma unroll
+        for (int j = 0; j < R; j++) { wvals8<W>(c[j], 0, wv); acc[j] += dot8(wv, xv); }
+    } else {
+        float part[R];
+#pragma unroll
+        for (int j = 0; j < R; j++) part[j] = 0.0f;
+#pragma unroll
+        for (int b = 0; b < Fmt<W>::CH / 8; b++) {
+            if (8 * b >= n) break;
+            x8(b, xv);
+#pragma unroll
+            for (int j = 0; j < R; j++) { wvals8<W>(c[j], b, wv); part[j] += dot8(wv, xv); }
+        }
+#pragma unroll
+        for (int j = 0; j < R; j++) acc[j] += wscale<W>(c[j]) * part[j];
+    }
+}
+/* x staged in shared memory for chunks of CH columns. A quantized chunk is 64 or 128 bytes of x per lane, so lanes
+ * reading the same float4 of their own chunks would all hit one bank group; inside each chunk the float4s are
+ * XOR-swizzled by the chunk index, which spreads 8 such lanes over the 8 bank groups. CH = 8 keeps the plain layout. */
+template <int CH> __device__ __forceinline__ int xs_slot(int q) {    /* float4 q of x -> its float4 slot */
+    constexpr int F = CH / 4;
+    if constexpr (CH <= 8) return q;
+    else { int c = q / F; return c * F + ((q % F) ^ ((c / (8 / F)) % F)); }
+}
+template <int CH> __device__ __forceinline__ void xs_put4(float *xs, int k, float4 v) {   /* x[k..k+3], k % 4 == 0 */
+    if constexpr (CH <= 8) *(float4 *)(xs + k) = v;
+    else ((float4 *)xs)[xs_slot<CH>(k / 4)] = v;
+}
+template <int CH> __device__ __forceinline__ float &xs_at(float *xs, int k) {
+    if constexpr (CH <= 8) return xs[k];
+    else return xs[xs_slot<CH>(k / 4) * 4 + (k & 3)];
+}
+template <int CH> __device__ __forceinline__ void xs_load8(const float *xs, int k, float f[8]) {   /* k % 8 == 0 */
+    if constexpr (CH <= 8) load_x8(xs + k, f);
+    else {
+        const float4 *x4 = (const float4 *)xs;
+        float4 a = x4[xs_slot<CH>(k / 4)], b = x4[xs_slot<CH>(k / 4 + 1)];
+        f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w; f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+    }
+}
+
 /* ----------------------------------------------------------------------------
  * --random-weights: the same counter hash as laguna.c, so both backends see identical weights */
 
@@ -131,6 +248,14 @@ template <typename T>
 __global__ void fill_random(T *dst, size_t n, uint64_t seed, uint64_t key, uint64_t elem0, float a) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
         dst[i] = from_f<T>(random_weight(seed, key, elem0 + i, a));
+}
+
+/* a q8 / q4 tensor of ng groups: each thread quantizes whole groups (random_qgroup, as laguna.c does) */
+__global__ void fill_random_q(uint8_t *vals, uint16_t *scales, size_t ng, int64_t cols, int dtype, uint64_t seed,
+                              uint64_t key, float a) {
+    int64_t groups = (cols + LAGUNA_QGROUP - 1) / LAGUNA_QGROUP, gb = dtype == DT_Q8 ? LAGUNA_QGROUP : LAGUNA_QGROUP / 2;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < ng; i += (size_t)gridDim.x * blockDim.x)
+        random_qgroup(dtype, seed, key, i / groups, cols, i % groups, a, vals + i * gb, scales + i);
 }
 
 template <typename Tin, typename Tout>
@@ -142,12 +267,28 @@ __global__ void convert(Tout *dst, const Tin *src, size_t n) {
 /* ----------------------------------------------------------------------------
  * the kernels, in model order */
 
-/* h = embed[token] (no scaling) */
+/* h = embed[token] (no scaling); a quantized row is dequantized here (value * scale, as laguna.c's weight_row) */
 template <typename W>
-__global__ void embed_kernel(float *x, const W *embed, const int *tokens, int H) {
+__global__ void embed_kernel(float *x, WPtr embed, const int *tokens, int H) {
     int t = blockIdx.x;
-    const W *row = embed + (size_t)tokens[t] * H;
-    for (int i = threadIdx.x; i < H; i += blockDim.x) x[(size_t)t * H + i] = to_f(row[i]);
+    if constexpr (!is_q<W>) {
+        const W *row = (const W *)embed.v + (size_t)tokens[t] * H;
+        for (int i = threadIdx.x; i < H; i += blockDim.x) x[(size_t)t * H + i] = to_f(row[i]);
+    } else {
+        constexpr int CH = Fmt<W>::CH;
+        WPtr row = wrow<W>(embed, tokens[t], H);
+        for (int k = threadIdx.x * CH; k < H; k += blockDim.x * CH) {
+            typename Fmt<W>::Chunk c = wload<W>(row, k);
+            float sc = wscale<W>(c), f[8];
+#pragma unroll
+            for (int b = 0; b < CH / 8; b++) {
+                if (k + 8 * b >= H) break;
+                wvals8<W>(c, b, f);
+#pragma unroll
+                for (int i = 0; i < 8; i++) x[(size_t)t * H + k + 8 * b + i] = f[i] * sc;
+            }
+        }
+    }
 }
 
 /* out[t] = w * (x[t] / sqrt(mean(x[t]^2) + eps)); one block per row */
@@ -164,55 +305,66 @@ __global__ void rmsnorm_kernel(float *out, const float *x, int ldx, const float 
 }
 
 /* Decode matvec: out[r] (+)= W[r, :] . norm(x) + bias[r], for one token.
- * A block of 256 threads owns ROWS whole rows; thread t owns the 8-column chunks t, t + 256, ... (NCH of them), the
- * same columns in every row. So its slice of x lives in registers (no shared-memory staging of x before the first
+ * A block of 256 threads owns ROWS whole rows; thread t owns the chunks t, t + 256, ... (NCH of them), the same
+ * columns in every row. So its slice of x lives in registers (no shared-memory staging of x before the first
  * weight load), the RMSNorm's sum of squares is one block reduction, and the row sums are one reduction at the
  * end. Each thread's ROWS * NCH = 8 weight chunks (16-byte streaming loads) are issued first, before the wait on the
  * previous kernel (programmatic dependent launch), so a block's weights are in flight while x is still being
  * written. Block 0 writes the normed x to xb_out for later steps. */
 template <typename W, int ROWS, int NCH>
-__device__ __forceinline__ void matvec_rows(float *out, const W *w, int rows, int in, const float *x,
+__device__ __forceinline__ void matvec_rows(float *out, WPtr w, int rows, int in, const float *x,
                                             const float *norm_w, float eps, float *xb_out, const float *bias,
                                             int accumulate) {
+    constexpr int CH = Fmt<W>::CH;
     __shared__ float red[8][ROWS];
-    const int tid = threadIdx.x, r0 = blockIdx.x * ROWS, C = in / 8;
-    W8 c[ROWS][NCH];                                /* the weights: loaded before anything else */
+    const int tid = threadIdx.x, r0 = blockIdx.x * ROWS, C = is_q<W> ? (in + CH - 1) / CH : in / CH;
+    typename Fmt<W>::Chunk c[ROWS][NCH];            /* the weights: loaded before anything else */
 #pragma unroll
     for (int j = 0; j < ROWS; j++) {
-        const W *wr = w + (size_t)min(r0 + j, rows - 1) * in;
+        WPtr wr = wrow<W>(w, min(r0 + j, rows - 1), in);
 #pragma unroll
         for (int u = 0; u < NCH; u++)
-            if (tid + u * 256 < C) c[j][u] = load_w8(wr + (tid + u * 256) * 8);
+            if (tid + u * 256 < C) c[j][u] = wload<W>(wr, (tid + u * 256) * CH);
     }
     griddep_wait();                                 /* x is the previous kernel's output */
     griddep_launch();
-    float xv[NCH][8], ss = 0.0f;
+    float xv[NCH][CH], ss = 0.0f;
 #pragma unroll
-    for (int u = 0; u < NCH; u++) {
-        int k = (tid + u * 256) * 8;
-        if (k < in) load_x8(x + k, xv[u]);
-        else for (int i = 0; i < 8; i++) xv[u][i] = 0.0f;
-        ss += dot8(xv[u], xv[u]);
-    }
+    for (int u = 0; u < NCH; u++)
+#pragma unroll
+        for (int b = 0; b < CH / 8; b++) {
+            int k = (tid + u * 256) * CH + 8 * b;
+            if (k < in) load_x8(x + k, &xv[u][8 * b]);
+            else for (int i = 0; i < 8; i++) xv[u][8 * b + i] = 0.0f;
+            ss += dot8(&xv[u][8 * b], &xv[u][8 * b]);
+        }
     if (norm_w) {
         float inv = 1.0f / sqrtf(block_sum(ss) / in + eps);
 #pragma unroll
-        for (int u = 0; u < NCH; u++) {
-            int k = (tid + u * 256) * 8;
-            if (k >= in) continue;
-            float nw[8];
-            load_x8(norm_w + k, nw);
-            for (int i = 0; i < 8; i++) xv[u][i] = nw[i] * (xv[u][i] * inv);
-            if (xb_out && blockIdx.x == 0) for (int i = 0; i < 8; i++) xb_out[k + i] = xv[u][i];
-        }
+        for (int u = 0; u < NCH; u++)
+#pragma unroll
+            for (int b = 0; b < CH / 8; b++) {
+                int k = (tid + u * 256) * CH + 8 * b;
+                if (k >= in) continue;
+                float nw[8], *xu = &xv[u][8 * b];
+                load_x8(norm_w + k, nw);
+                for (int i = 0; i < 8; i++) xu[i] = nw[i] * (xu[i] * inv);
+                if (xb_out && blockIdx.x == 0) for (int i = 0; i < 8; i++) xb_out[k + i] = xu[i];
+            }
     }
     const int warp = tid >> 5, lane = tid & 31;
 #pragma unroll
     for (int j = 0; j < ROWS; j++) {
         float acc = 0.0f;
 #pragma unroll
-        for (int u = 0; u < NCH; u++)
-            if (tid + u * 256 < C) { float wv[8]; unpack_w8(c[j][u], w, wv); acc += dot8(wv, xv[u]); }
+        for (int u = 0; u < NCH; u++) {
+            int k = (tid + u * 256) * CH;
+            if (tid + u * 256 < C)
+                chunk_dot<W, 1>(&c[j][u], in - k, [&](int b, float f[8]) {
+#pragma unroll
+                    for (int i = 0; i < 8; i++) f[i] = xv[u][8 * b + i];
+                }, &acc);
+        }
         acc = warp_sum(acc);
         if (lane == 0) red[warp][j] = acc;
     }
@@ -227,39 +379,43 @@ __device__ __forceinline__ void matvec_rows(float *out, const W *w, int rows, in
 }
 
 template <typename W, int ROWS, int NCH>
-__global__ void __launch_bounds__(256, NCH == 1 ? 3 : 2) matvec_kernel(float *out, const W *w, int rows, int in, const float *x,
+__global__ void __launch_bounds__(256, NCH == 1 && ROWS < 8 ? 3 : 2) matvec_kernel(float *out, WPtr w, int rows, int in, const float *x,
                                                      const float *norm_w, float eps, float *xb_out,
                                                      const float *bias, int accumulate) {
     matvec_rows<W, ROWS, NCH>(out, w, rows, in, x, norm_w, eps, xb_out, bias, accumulate);
 }
 
-/* Decode matvec for tall matrices with in <= 256 * NCH inputs (q/k/v/g, dense gate+up, lm_head): a warp per row,
- * RPW consecutive rows per warp. Each lane's NCH 16-byte loads of its first row are issued before the wait on the
- * previous kernel, the next row's before the current one is summed. x (normed when norm_w is given: the block's
- * sum of squares) is staged once per block in shared memory: RPW > 1 spreads that L2 read over more rows. */
+/* Decode matvec for tall matrices with in <= 32 * CH * NCH inputs (q/k/v/g, dense gate+up, lm_head): a warp per RG
+ * rows (a step), RPW steps per warp. Each lane's NCH chunks of the first step's rows are loaded before the wait on
+ * the previous kernel, the next step's before the current one is summed. x (normed when norm_w is given: the
+ * block's sum of squares) is staged once per block in shared memory: RPW > 1 spreads that L2 read over more rows. */
 template <typename W, int NCH, int RPW>
-__global__ void __launch_bounds__(256) matvec_warp(float *out, const W *w, int rows, int in, const float *x,
+__global__ void __launch_bounds__(256) matvec_warp(float *out, WPtr w, int rows, int in, const float *x,
                                                    const float *norm_w, float eps, float *xb_out, const float *bias,
                                                    int accumulate) {
-    __shared__ __align__(16) float xs[256 * NCH];
-    const int tid = threadIdx.x, lane = tid & 31, r0 = (blockIdx.x * 8 + (tid >> 5)) * RPW;
-    W8 c[2][NCH];
+    constexpr int CH = Fmt<W>::CH, RG = Fmt<W>::RG;
+    __shared__ __align__(16) float xs[32 * CH * NCH];
+    const int tid = threadIdx.x, lane = tid & 31, r0 = (blockIdx.x * 8 + (tid >> 5)) * RPW * RG;
+    typename Fmt<W>::Chunk c[2][NCH][RG];          /* [step & 1][u][row of the step]; past the end: the last row */
 #pragma unroll
     for (int u = 0; u < NCH; u++)
-        if ((lane + 32 * u) * 8 < in) c[0][u] = load_w8(w + (size_t)min(r0, rows - 1) * in + (lane + 32 * u) * 8);
+        if ((lane + 32 * u) * CH < in)
+#pragma unroll
+            for (int i = 0; i < RG; i++) c[0][u][i] = wload<W>(wrow<W>(w, min(r0 + i, rows - 1), in), (lane + 32 * u) * CH);
     griddep_wait();                                 /* x is the previous kernel's output */
     griddep_launch();
     float ss = 0.0f;
     for (int k = tid * 4; k < in; k += 1024) {
         float4 v = *(const float4 *)(x + k);
         ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-        *(float4 *)(xs + k) = v;
+        xs_put4<CH>(xs, k, v);
     }
     if (norm_w) {                                   /* each thread rescales the elements it staged */
         float inv = 1.0f / sqrtf(block_sum(ss) / in + eps);
         for (int k = tid; k < in; k += 256) {
-            xs[k] = norm_w[k] * (xs[k] * inv);
-            if (xb_out && blockIdx.x == 0) xb_out[k] = xs[k];
+            float &v = xs_at<CH>(xs, k);
+            v = norm_w[k] * (v * inv);
+            if (xb_out && blockIdx.x == 0) xb_out[k] = v;
         }
     }
     __syncthreads();
@@ -268,20 +424,28 @@ __global__ void __launch_bounds__(256) matvec_warp(float *out, const W *w, int r
         if (j + 1 < RPW)
 #pragma unroll
             for (int u = 0; u < NCH; u++)
-                if ((lane + 32 * u) * 8 < in)
-                    c[(j + 1) & 1][u] = load_w8(w + (size_t)min(r0 + j + 1, rows - 1) * in + (lane + 32 * u) * 8);
-        float acc = 0.0f;
+                if ((lane + 32 * u) * CH < in)
+#pragma unroll
+                    for (int i = 0; i < RG; i++)
+                        c[(j + 1) & 1][u][i] = wload<W>(wrow<W>(w, min(r0 + (j + 1) * RG + i, rows - 1), in), (lane + 32 * u) * CH);
+        float acc[RG] = {};
 #pragma unroll
         for (int u = 0; u < NCH; u++) {
-            int k = (lane + 32 * u) * 8;
-            if (k < in) { float wv[8], xv[8]; unpack_w8(c[j & 1][u], w, wv); load_x8(xs + k, xv); acc += dot8(wv, xv); }
+            int k = (lane + 32 * u) * CH;
+            if (k < in) chunk_dot<W, RG>(c[j & 1][u], in - k, [&](int b, float f[8]) { xs_load8<CH>(xs, k + 8 * b, f); }, acc);
         }
-        acc = warp_sum(acc);
-        int r = r0 + j;
-        if (lane == 0 && r < rows) {
-            if (bias) acc += bias[r];
-            out[r] = accumulate ? out[r] + acc : acc;
-        }
+        auto finish = [&](int i) {                  /* row r0 + j * RG + i */
+            float a = warp_sum(acc[i]);
+            int r = r0 + j * RG + i;
+            if (lane == 0 && r < rows) {
+                if (bias) a += bias[r];
+                out[r] = accumulate ? out[r] + a : a;
+            }
+        };
+        if constexpr (RG == 1) finish(0);           /* (a loop here, even of one trip, kept nvcc from unrolling j) */
+        else
+#pragma unroll
+            for (int i = 0; i < RG; i++) finish(i);
     }
 }
 
@@ -923,7 +1087,7 @@ __global__ void route_plan(float *logits, const float *bias, int n, int E, int K
  * lower id, the CPU's order) makes it slot `rank` when rank < K; the plan is then trivial (one token: K pairs, each
  * expert once, sorted by id). The weights are renormalised in slot order, as in laguna.c. */
 template <typename W, int NCH>
-__global__ void __launch_bounds__(256) router_decode(float *logits, const W *w, int E, int H, const float *x,
+__global__ void __launch_bounds__(256) router_decode(float *logits, WPtr w, int E, int H, const float *x,
                                                      const float *norm_w, float eps, float *xb_out,
                                                      const float *bias, int K, float softcap, int *topk_idx,
                                                      float *topk_w, int *start, int *pair_tok, float *pair_w,
@@ -977,15 +1141,17 @@ __global__ void __launch_bounds__(256) router_decode(float *logits, const W *w, 
  * h = silu(x . gate_i) * (x . up_i). One warp per hidden unit i, every token of that expert, so the expert's
  * rows are read once. Blocks [0, max_active * nbI) are routed experts, the rest the always-on matrix. */
 template <typename W>
-__global__ void __launch_bounds__(256) moe_gate_up(const W *experts_gu, int I, const W *always_gu, int S, int H,
+__global__ void __launch_bounds__(256) moe_gate_up(WPtr experts_gu, int I, WPtr always_gu, int S, int H,
                                                    const float *xb, int n, const int *start, const int *pair_tok,
                                                    const int *active, const int *n_active, int max_active,
                                                    float *h_pair, float *hs) {
     griddep_wait();
     griddep_launch();
+    constexpr int CH = Fmt<W>::CH, STEP = 32 * CH;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nbI = (I + 7) / 8;
     int b = blockIdx.x, hid, i, cnt, first = 0;
-    const W *base;
+    WPtr base;
+    size_t row0 = 0;
     const int *toks = NULL;
     float *out;
     if (b < max_active * nbI) {
@@ -994,7 +1160,8 @@ __global__ void __launch_bounds__(256) moe_gate_up(const W *experts_gu, int I, c
         int e = active[a];
         i = (b % nbI) * 8 + warp;
         hid = I;
-        base = experts_gu + (size_t)e * 2 * I * H;
+        base = experts_gu;
+        row0 = (size_t)e * 2 * I;
         first = start[e];
         cnt = start[e + 1] - first;
         toks = pair_tok + first;
@@ -1007,7 +1174,7 @@ __global__ void __launch_bounds__(256) moe_gate_up(const W *experts_gu, int I, c
         out = hs;
     }
     if (i >= hid) return;
-    const W *wg = base + (size_t)i * H, *wu = base + (size_t)(hid + i) * H;
+    WPtr wg = wrow<W>(base, row0 + i, H), wu = wrow<W>(base, row0 + hid + i, H);
     for (int t0 = 0; t0 < cnt; t0 += 4) {       /* 4 tokens per pass; later passes hit L1/L2 */
         float ag[4] = {}, au[4] = {};
         const float *xr[4];
@@ -1016,21 +1183,35 @@ __global__ void __launch_bounds__(256) moe_gate_up(const W *experts_gu, int I, c
             int tok = t0 + tt < cnt ? (toks ? toks[t0 + tt] : t0 + tt) : -1;
             xr[tt] = tok >= 0 ? xb + (size_t)tok * H : NULL;
         }
-        for (int k0 = lane * 8; k0 < H; k0 += 4 * 256) {   /* 4 chunks of both rows in flight */
-            W8 cg[4], cu[4];
+        for (int k0 = lane * CH; k0 < H; k0 += 4 * STEP) {   /* 4 chunks of both rows in flight */
+            typename Fmt<W>::Chunk c[4][2];
 #pragma unroll
             for (int u = 0; u < 4; u++)
-                if (k0 + u * 256 < H) { cg[u] = load_w8(wg + k0 + u * 256); cu[u] = load_w8(wu + k0 + u * 256); }
+                if (k0 + u * STEP < H) { c[u][0] = wload<W>(wg, k0 + u * STEP); c[u][1] = wload<W>(wu, k0 + u * STEP); }
 #pragma unroll
             for (int u = 0; u < 4; u++) {
-                int k = k0 + u * 256;
+                int k = k0 + u * STEP;
                 if (k >= H) break;
-                float g8[8], u8[8], x8[8];
-                unpack_w8(cg[u], wg, g8);
-                unpack_w8(cu[u], wu, u8);
+                float pg[4] = {}, pu[4] = {};       /* quantized: this chunk's sums, before its scales */
 #pragma unroll
-                for (int tt = 0; tt < 4; tt++)
-                    if (xr[tt]) { load_x8(xr[tt] + k, x8); ag[tt] += dot8(g8, x8); au[tt] += dot8(u8, x8); }
+                for (int bb = 0; bb < CH / 8; bb++) {
+                    if (k + 8 * bb >= H) break;
+                    float g8[8], u8[8], x8[8];
+                    wvals8<W>(c[u][0], bb, g8);
+                    wvals8<W>(c[u][1], bb, u8);
+#pragma unroll
+                    for (int tt = 0; tt < 4; tt++)
+                        if (xr[tt]) {
+                            load_x8(xr[tt] + k + 8 * bb, x8);
+                            if constexpr (is_q<W>) { pg[tt] += dot8(g8, x8); pu[tt] += dot8(u8, x8); }
+                            else { ag[tt] += dot8(g8, x8); au[tt] += dot8(u8, x8); }
+                        }
+                }
+                if constexpr (is_q<W>) {
+                    float sg = wscale<W>(c[u][0]), su = wscale<W>(c[u][1]);
+#pragma unroll
+                    for (int tt = 0; tt < 4; tt++) { ag[tt] += sg * pg[tt]; au[tt] += su * pu[tt]; }
+                }
             }
         }
 #pragma unroll
@@ -1044,13 +1225,14 @@ __global__ void __launch_bounds__(256) moe_gate_up(const W *experts_gu, int I, c
 /* Expert down projections for n > 1: y_pair[k] = down_e . h_pair[k] per pair, ys[t] = always_down . hs[t].
  * One warp per output row, every pair of the expert. moe_combine adds them up. */
 template <typename W>
-__global__ void __launch_bounds__(256) moe_down(const W *experts_down, int I, const W *always_down, int S, int H,
+__global__ void __launch_bounds__(256) moe_down(WPtr experts_down, int I, WPtr always_down, int S, int H,
                                                 int n, const int *start, const int *active, const int *n_active,
                                                 int max_active, const float *h_pair, const float *hs,
                                                 float *y_pair, float *ys) {
+    constexpr int CH = Fmt<W>::CH, STEP = 32 * CH;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nbH = (H + 7) / 8;
     int b = blockIdx.x, j, cnt, hid;
-    const W *w;
+    WPtr w;
     const float *hin;
     float *out;
     if (b < max_active * nbH) {
@@ -1059,14 +1241,14 @@ __global__ void __launch_bounds__(256) moe_down(const W *experts_down, int I, co
         int e = active[a], first = start[e];
         j = (b % nbH) * 8 + warp;
         hid = I;
-        w = experts_down + ((size_t)e * H + j) * I;
+        w = wrow<W>(experts_down, (size_t)e * H + j, I);
         cnt = start[e + 1] - first;
         hin = h_pair + (size_t)first * I;
         out = y_pair + (size_t)first * H;
     } else {
         j = (b - max_active * nbH) * 8 + warp;
         hid = S;
-        w = always_down + (size_t)j * S;
+        w = wrow<W>(always_down, j, S);
         cnt = n;
         hin = hs;
         out = ys;
@@ -1075,13 +1257,27 @@ __global__ void __launch_bounds__(256) moe_down(const W *experts_down, int I, co
     for (int t0 = 0; t0 < cnt; t0 += 4) {
         float acc[4] = {};
 #pragma unroll 4
-        for (int k = lane * 8; k < hid; k += 256) {
-            W8 c = load_w8(w + k);
-            float w8[8], x8[8];
-            unpack_w8(c, w, w8);
+        for (int k = lane * CH; k < hid; k += STEP) {
+            typename Fmt<W>::Chunk c = wload<W>(w, k);
+            float part[4] = {};                     /* quantized: this chunk's sums, before its scale */
 #pragma unroll
-            for (int tt = 0; tt < 4; tt++)
-                if (t0 + tt < cnt) { load_x8(hin + (size_t)(t0 + tt) * hid + k, x8); acc[tt] += dot8(w8, x8); }
+            for (int bb = 0; bb < CH / 8; bb++) {
+                if (k + 8 * bb >= hid) break;
+                float w8[8], x8[8];
+                wvals8<W>(c, bb, w8);
+#pragma unroll
+                for (int tt = 0; tt < 4; tt++)
+                    if (t0 + tt < cnt) {
+                        load_x8(hin + (size_t)(t0 + tt) * hid + k + 8 * bb, x8);
+                        if constexpr (is_q<W>) part[tt] += dot8(w8, x8);
+                        else acc[tt] += dot8(w8, x8);
+                    }
+            }
+            if constexpr (is_q<W>) {
+                float sc = wscale<W>(c);
+#pragma unroll
+                for (int tt = 0; tt < 4; tt++) acc[tt] += sc * part[tt];
+            }
         }
 #pragma unroll
         for (int tt = 0; tt < 4; tt++) {
@@ -1093,101 +1289,121 @@ __global__ void __launch_bounds__(256) moe_down(const W *experts_down, int I, co
 
 /* SwiGLU gate/up for one token (n = 1 decode): hs = silu(x . gate_i) * (x . up_i) for the always-on matrix (shared
  * expert, or the dense MLP), then h_pair[a] likewise for the a-th active expert (ascending id, = its pair index).
- * A warp per hidden unit, each lane's NCH 16-byte chunks of both rows (16 loads at H = 2048) issued together; the
- * always-on blocks come first in the grid and issue their loads before the wait on the router (their weights
- * don't depend on it). Every block waits before it exits (moe_down_decode relies on that, see there). */
+ * A warp per RG hidden units (bf16 / f32 one), each lane's NCH chunks of the gate and up rows (16 loads at H = 2048)
+ * issued together; the always-on blocks come first in the grid and issue their loads before the wait on the router
+ * (their weights don't depend on it). Quantized formats stage x in shared memory (swizzled, see xs_slot): a lane's
+ * x is CH floats per chunk, read once for RG units. Every block waits before it exits (moe_down_decode relies on
+ * that, see there). */
 template <typename W, int NCH>
-__global__ void __launch_bounds__(256) moe_gate_up_decode(const W *experts_gu, int I, const W *always_gu, int S,
+__global__ void __launch_bounds__(256) moe_gate_up_decode(WPtr experts_gu, int I, WPtr always_gu, int S,
                                                           int H, const float *xb, const int *active,
                                                           const int *n_active, float *h_pair, float *hs) {
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nbS = (S + 7) / 8, b = blockIdx.x;
-    const W *wg = NULL, *wu = NULL;
+    constexpr int CH = Fmt<W>::CH, RG = Fmt<W>::RG;
+    __shared__ __align__(16) float xs[is_q<W> ? 32 * CH * NCH : 4];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nbS = (S + 8 * RG - 1) / (8 * RG), b = blockIdx.x;
+    WPtr base;
+    size_t row0 = 0;
+    int hid = 0, i0 = 0;
     float *dst = NULL;
-    W8 cg[NCH], cu[NCH];
-    if (b < nbS) {
-        int i = b * 8 + warp;
-        if (i < S) { wg = always_gu + (size_t)i * H; wu = always_gu + (size_t)(S + i) * H; dst = hs + i; }
-    }
-#pragma unroll
-    for (int u = 0; u < NCH; u++)
-        if (wg && (lane + 32 * u) * 8 < H) { cg[u] = load_w8(wg + (lane + 32 * u) * 8); cu[u] = load_w8(wu + (lane + 32 * u) * 8); }
-    griddep_wait();                                   /* the router's plan and xb */
-    griddep_launch();
-    if (b >= nbS) {
-        int nbI = (I + 7) / 8, a = (b - nbS) / nbI, i = ((b - nbS) % nbI) * 8 + warp;
-        if (a >= *n_active || i >= I) return;
-        const W *base = experts_gu + (size_t)active[a] * 2 * I * H;
-        wg = base + (size_t)i * H;
-        wu = base + (size_t)(I + i) * H;
-        dst = h_pair + (size_t)a * I + i;
+    typename Fmt<W>::Chunk c[NCH][2 * RG];       /* [u][j]: gate row of unit i0 + j; [u][RG + j]: its up row */
+    auto load = [&]() {
 #pragma unroll
         for (int u = 0; u < NCH; u++)
-            if ((lane + 32 * u) * 8 < H) { cg[u] = load_w8(wg + (lane + 32 * u) * 8); cu[u] = load_w8(wu + (lane + 32 * u) * 8); }
+            if ((lane + 32 * u) * CH < H)
+#pragma unroll
+                for (int j = 0; j < RG; j++) {
+                    int i = RG == 1 ? i0 : min(i0 + j, hid - 1);   /* past the end: the last unit again */
+                    c[u][j] = wload<W>(wrow<W>(base, row0 + i, H), (lane + 32 * u) * CH);
+                    c[u][RG + j] = wload<W>(wrow<W>(base, row0 + hid + i, H), (lane + 32 * u) * CH);
+                }
+    };
+    if (b < nbS) {
+        i0 = (b * 8 + warp) * RG;
+        if (i0 < S) { base = always_gu; hid = S; dst = hs; load(); }
+    }
+    griddep_wait();                                   /* the router's plan and xb */
+    griddep_launch();
+    if constexpr (is_q<W>) {                        /* every thread, before any exits */
+        for (int k = threadIdx.x * 4; k < H; k += 1024) xs_put4<CH>(xs, k, *(const float4 *)(xb + k));
+        __syncthreads();
+    }
+    if (b >= nbS) {
+        int nbI = (I + 8 * RG - 1) / (8 * RG), a = (b - nbS) / nbI;
+        i0 = (((b - nbS) % nbI) * 8 + warp) * RG;
+        if (a >= *n_active || i0 >= I) return;
+        base = experts_gu;
+        row0 = (size_t)active[a] * 2 * I;
+        hid = I;
+        dst = h_pair + (size_t)a * I;
+        load();
     }
     if (!dst) return;
-    float ag = 0.0f, au = 0.0f;
+    float acc[2 * RG];
+#pragma unroll
+    for (int j = 0; j < 2 * RG; j++) acc[j] = 0.0f;
 #pragma unroll
     for (int u = 0; u < NCH; u++) {
-        int k = (lane + 32 * u) * 8;
+        int k = (lane + 32 * u) * CH;
         if (k >= H) break;
-        float g8[8], u8[8], x8[8];
-        unpack_w8(cg[u], wg, g8);
-        unpack_w8(cu[u], wu, u8);
-        load_x8(xb + k, x8);
-        ag += dot8(g8, x8);
-        au += dot8(u8, x8);
+        chunk_dot<W, 2 * RG>(c[u], H - k, [&](int bb, float f[8]) {
+            if constexpr (is_q<W>) xs_load8<CH>(xs, k + 8 * bb, f);
+            else load_x8(xb + k, f);
+        }, acc);
     }
-    ag = warp_sum(ag);
-    au = warp_sum(au);
-    if (lane == 0) *dst = silu(ag) * au;
+#pragma unroll
+    for (int j = 0; j < RG; j++) {
+        float g = warp_sum(acc[j]), u = warp_sum(acc[RG + j]);
+        if (lane == 0 && i0 + j < hid) dst[i0 + j] = silu(g) * u;
+    }
 }
 
 /* Decode (one token): all down projections of a layer in one launch with the weighted sum and the residual:
  * x[j] += always_down[j] . hs + scaling * sum_a w_a * down_{e_a}[j] . h_a, experts in ascending id (the CPU's
  * order). One warp per output row; the first 8 experts' and the always-on row's first 512 columns (all of them at
- * I = S = 512: 18 loads per lane) are loaded BEFORE the wait on moe_gate_up_decode. The plan (active, n_active,
- * pair_w) is the router's, two kernels back: every kernel of the chain waits before it lets its successor start,
- * so when this one starts the router has completed. Only h_pair / hs (the previous kernel's) need the wait. */
+ * I = S = 512: 18 loads per lane; quantized, UD = 1 chunk per lane and row: 16 (Q8) or 32 (Q4) columns per lane)
+ * are loaded BEFORE the wait on moe_gate_up_decode. The plan (active, n_active, pair_w) is the router's, two
+ * kernels back: every kernel of the chain waits before it lets its successor start, so when this one starts the
+ * router has completed. Only h_pair / hs (the previous kernel's) need the wait. */
 template <typename W>
-__global__ void __launch_bounds__(256, 2) moe_down_decode(float *x, const W *experts_down, int I, const W *always_down,
+__global__ void __launch_bounds__(256, 2) moe_down_decode(float *x, WPtr experts_down, int I, WPtr always_down,
                                                        int S, int H, const int *active, const int *n_active,
                                                        const float *pair_w, const float *h_pair, const float *hs,
                                                        float scaling) {
+    constexpr int CH = Fmt<W>::CH, UD = is_q<W> ? 1 : 2, KS = 32 * UD * CH;   /* KS: columns per step */
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, j = blockIdx.x * 8 + warp;
     const bool row = j < H;
     const int na = n_active ? *n_active : 0;
-    W8 c[8][2], cs[2];
-    auto load_group = [&](int a0, int k0) {          /* 2 chunks (from column k0 + lane * 8) of experts a0..a0+7 */
+    typename Fmt<W>::Chunk c[8][UD], cs[UD];
+    auto load_group = [&](int a0, int k0) {          /* UD chunks (from column k0 + lane * CH) of experts a0..a0+7 */
 #pragma unroll
         for (int a = 0; a < 8; a++)
 #pragma unroll
-            for (int u = 0; u < 2; u++)
-                if (row && a0 + a < na && k0 + (lane + 32 * u) * 8 < I)
-                    c[a][u] = load_w8(experts_down + ((size_t)active[a0 + a] * H + j) * I + k0 + (lane + 32 * u) * 8);
+            for (int u = 0; u < UD; u++)
+                if (row && a0 + a < na && k0 + (lane + 32 * u) * CH < I)
+                    c[a][u] = wload<W>(wrow<W>(experts_down, (size_t)active[a0 + a] * H + j, I), k0 + (lane + 32 * u) * CH);
     };
     load_group(0, 0);
+    const WPtr ws = wrow<W>(always_down, j, S);
 #pragma unroll
-    for (int u = 0; u < 2; u++)
-        if (row && (lane + 32 * u) * 8 < S) cs[u] = load_w8(always_down + (size_t)j * S + (lane + 32 * u) * 8);
+    for (int u = 0; u < UD; u++)
+        if (row && (lane + 32 * u) * CH < S) cs[u] = wload<W>(ws, (lane + 32 * u) * CH);
     griddep_wait();                                   /* h_pair and hs */
     griddep_launch();
     if (!row) return;
     float routed = 0.0f;
     for (int a0 = 0; a0 < na; a0 += 8) {
         float acc[8] = {};
-        for (int k0 = 0; k0 < I; k0 += 512) {
+        for (int k0 = 0; k0 < I; k0 += KS) {
             if (a0 || k0) load_group(a0, k0);
 #pragma unroll
             for (int a = 0; a < 8; a++)
 #pragma unroll
-                for (int u = 0; u < 2; u++) {
-                    int k = k0 + (lane + 32 * u) * 8;
-                    if (a0 + a < na && k < I) {
-                        float w8[8], x8[8];
-                        unpack_w8(c[a][u], experts_down, w8);
-                        load_x8(h_pair + (size_t)(a0 + a) * I + k, x8);
-                        acc[a] += dot8(w8, x8);
-                    }
+                for (int u = 0; u < UD; u++) {
+                    int k = k0 + (lane + 32 * u) * CH;
+                    if (a0 + a < na && k < I)
+                        chunk_dot<W, 1>(&c[a][u], I - k, [&](int bb, float f[8]) {
+                            load_x8(h_pair + (size_t)(a0 + a) * I + k + 8 * bb, f);
+                        }, &acc[a]);
                 }
         }
 #pragma unroll
@@ -1195,20 +1411,15 @@ __global__ void __launch_bounds__(256, 2) moe_down_decode(float *x, const W *exp
             if (a0 + a < na) routed += pair_w[a0 + a] * warp_sum(acc[a]);
     }
     float sh = 0.0f;
-    for (int k0 = 0; k0 < S; k0 += 512) {
+    for (int k0 = 0; k0 < S; k0 += KS) {
         if (k0)
 #pragma unroll
-            for (int u = 0; u < 2; u++)
-                if (k0 + (lane + 32 * u) * 8 < S) cs[u] = load_w8(always_down + (size_t)j * S + k0 + (lane + 32 * u) * 8);
+            for (int u = 0; u < UD; u++)
+                if (k0 + (lane + 32 * u) * CH < S) cs[u] = wload<W>(ws, k0 + (lane + 32 * u) * CH);
 #pragma unroll
-        for (int u = 0; u < 2; u++) {
-            int k = k0 + (lane + 32 * u) * 8;
-            if (k < S) {
-                float w8[8], x8[8];
-                unpack_w8(cs[u], always_down, w8);
-                load_x8(hs + k, x8);
-                sh += dot8(w8, x8);
-            }
+        for (int u = 0; u < UD; u++) {
+            int k = k0 + (lane + 32 * u) * CH;
+            if (k < S) chunk_dot<W, 1>(&cs[u], S - k, [&](int bb, float f[8]) { load_x8(hs + k + 8 * bb, f); }, &sh);
         }
     }
     sh = warp_sum(sh);
@@ -1474,6 +1685,46 @@ __global__ void gather_rows(T *dst, const float *xb, const int *pair_tok, int H)
     for (int i = threadIdx.x; i < H; i += blockDim.x) dst[(size_t)k * H + i] = from_f<T>(src[i]);
 }
 
+/* 8 floats to 8 consecutive elements (16-byte aligned), in one or two 16-byte stores */
+__device__ __forceinline__ void store8(float *d, const float f[8]) {
+    ((float4 *)d)[0] = make_float4(f[0], f[1], f[2], f[3]);
+    ((float4 *)d)[1] = make_float4(f[4], f[5], f[6], f[7]);
+}
+__device__ __forceinline__ void store8(bf16 *d, const float f[8]) {
+    uint4 u;
+    __nv_bfloat162 *h = (__nv_bfloat162 *)&u;
+#pragma unroll
+    for (int i = 0; i < 4; i++) h[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
+    *(uint4 *)d = u;
+}
+
+/* n > 1 on quantized files: rows of a q8 / q4 matrix dequantized (value * scale) for the GEMMs, into dst in the same
+ * row order. With sel (the active experts: sel[0..*n_sel)) the matrix is a stack of experts of `rows` rows each and
+ * only the active ones are written, each at its own place (output row r of slot a = row r of expert sel[a]); the
+ * grid covers max_sel slots, the ones past *n_sel return. */
+template <typename W, typename T>
+__global__ void dequant_kernel(T *dst, WPtr w, int in, int rows, int max_sel, const int *sel, const int *n_sel) {
+    constexpr int CH = Fmt<W>::CH;
+    size_t per = (in + CH - 1) / CH, total = (size_t)(sel ? max_sel : 1) * rows * per;
+    int ns = sel ? *n_sel : 1;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
+        size_t r = i / per, a = r / rows;
+        if ((int)a >= ns) break;                     /* slots past the active experts (i grows: none after) */
+        size_t src = sel ? (size_t)sel[a] * rows + r % rows : r;
+        int k = (int)(i % per) * CH;
+        typename Fmt<W>::Chunk c = wload<W>(wrow<W>(w, src, in), k);
+        float sc = wscale<W>(c), f[8];
+#pragma unroll
+        for (int b = 0; b < CH / 8; b++) {
+            if (k + 8 * b >= in) break;
+            wvals8<W>(c, b, f);
+#pragma unroll
+            for (int j = 0; j < 8; j++) f[j] *= sc;
+            store8(dst + src * in + k + 8 * b, f);
+        }
+    }
+}
+
 /* act[r, i] = silu(h[r, i]) * h[r, hid + i]  (gate and up side by side in one GEMM output row) */
 template <typename T>
 __global__ void swiglu_kernel(T *act, const float *h, size_t rows, int hid) {
@@ -1612,7 +1863,10 @@ struct GpuLayer {
 
 struct GpuModel {
     Config c;
-    int ctx, T, bf;          /* bf: weights and KV in bf16 (else f32) */
+    int ctx, T, bf;          /* bf: weights and KV in bf16 (else f32); quantized files: what is not quantized */
+    int wdt, edt, ldt;       /* DT_* of the matmul weights (DT_BF16 / DT_F32 as bf says, or DT_Q8 / DT_Q4), of the
+                                embedding and of lm_head (quantized files: q8 / q4 as in the file); the router never is */
+    void *wdq;               /* quantized files, n > 1: a matrix (or the active experts) dequantized for the GEMMs */
     int decode_split[2];     /* attention splits per layer type for one token (fixed: the graph is reused) */
     int kv_bf;               /* KV cache in bf16 (the weights' dtype; --kv f32 keeps it in fp32) */
     int attn_scalar;         /* LAGUNA_ATTN_SCALAR=1: the plain attention kernel on bf16 KV (a debug hook) */
@@ -1659,6 +1913,14 @@ struct GpuModel {
 
 static size_t dsize(const GpuModel *g) { return g->bf ? 2 : 4; }
 static cudaDataType_t dtype_of(const GpuModel *g) { return g->bf ? CUDA_R_16BF : CUDA_R_32F; }
+static int is_quant(int dt) { return dt == DT_Q8 || dt == DT_Q4; }
+static size_t group_bytes(int dt) { return dt == DT_Q8 ? LAGUNA_QGROUP : LAGUNA_QGROUP / 2; }
+/* a rows x in matrix of format dt at p (q8 / q4: its scale plane follows the values) */
+static WPtr wmat(int dt, const void *p, size_t rows, int in) {
+    if (!is_quant(dt)) return WPtr(p);
+    size_t groups = (in + LAGUNA_QGROUP - 1) / LAGUNA_QGROUP;
+    return WPtr(p, (const uint16_t *)((const char *)p + rows * groups * group_bytes(dt)));
+}
 static unsigned grid_for(size_t n, int block) { size_t b = (n + block - 1) / block; return (unsigned)(b < 65535 * 16 ? b : 65535 * 16); }
 
 /* ---- upload: every weight goes to its place in the one allocation, converted to the model dtype, or is
@@ -1717,7 +1979,37 @@ static void put(Uploader *u, void *dst, const Tensor *t, size_t elem0, size_t co
 
 static size_t numel(const Tensor *t) { size_t n = 1; for (int i = 0; i < t->ndim; i++) n *= (size_t)t->shape[i]; return n; }
 
+/* q8 / q4 tensors go up as they are in the file: value plane, then scale plane. k tensors stacked by rows (same
+ * columns) become one such matrix: all their values, then all their scales. --random-weights fills them on the
+ * device with the values laguna.c computes (random_qgroup). */
+static void *stacked_q(Uploader *u, const Tensor **ts, int k) {
+    int dt = ts[0]->dtype;
+    size_t gb = group_bytes(dt), vbytes = 0;
+    for (int i = 0; i < k; i++) vbytes += numel(ts[i]) / ts[i]->shape[ts[i]->ndim - 1] * ts[i]->groups * gb;
+    char *d = (char *)reserve(u, vbytes + vbytes / gb * 2);
+    if (!u->cursor) return d;
+    char *v = d, *sc = d + vbytes;
+    for (int i = 0; i < k; i++) {
+        const Tensor *t = ts[i];
+        int64_t cols = t->shape[t->ndim - 1];
+        size_t ng = numel(t) / cols * t->groups;
+        if (u->m->random_weights) {
+            const TensorEntry *e = entry_of(u->m, t);
+            fill_random_q<<<grid_for(ng, 256), 256, 0, u->g->stream>>>((uint8_t *)v, (uint16_t *)sc, ng, cols, dt,
+                u->m->random_seed, name_key(e ? e->name : ""), sqrtf(3.0f / (float)cols));
+            LAUNCH_CHECK();
+        } else {
+            CUDA_CHECK(cudaMemcpy(v, t->data, ng * gb, cudaMemcpyHostToDevice));
+            CUDA_CHECK(cudaMemcpy(sc, t->scales, ng * 2, cudaMemcpyHostToDevice));
+        }
+        v += ng * gb;
+        sc += ng * 2;
+    }
+    return d;
+}
+
 static void *weight(Uploader *u, const Tensor *t) {
+    if (is_quant(t->dtype)) return stacked_q(u, &t, 1);
     void *d = reserve(u, numel(t) * dsize(u->g));
     put(u, d, t, 0, numel(t), 0);
     return d;
@@ -1730,6 +2022,7 @@ static float *f32(Uploader *u, const Tensor *t) {
 }
 /* several tensors stacked by rows into one matrix */
 static void *stacked(Uploader *u, const Tensor **ts, int k) {
+    if (is_quant(ts[0]->dtype)) return stacked_q(u, ts, k);
     size_t total = 0;
     for (int i = 0; i < k; i++) total += numel(ts[i]);
     char *d = (char *)reserve(u, total * dsize(u->g));
@@ -1832,16 +2125,38 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
     g->c = *c;
     g->ctx = ctx;
     g->T = max_tokens;
-    g->bf = m->weights.embed.dtype == DT_BF16;
+    /* the dtype of what is not quantized: the embedding's, or in a quantized file the router's */
+    const Weights *mw = &m->weights;
+    int plain = mw->embed.dtype;
+    for (int l = 0; l < c->n_layers && is_quant(plain); l++)
+        if (c->mlp_type[l] == MLP_SPARSE) plain = mw->layers[l].router.dtype;
+    g->bf = plain != DT_F32;
     g->kv_bf = g->bf && !m->kv_f32;
     g->attn_scalar = getenv("LAGUNA_ATTN_SCALAR") != NULL;
     g->use_graph = !getenv("LAGUNA_NO_GRAPH");    /* for the test that graph replay equals plain launches */
     g->pdl = !getenv("LAGUNA_NO_PDL");
     int D = c->head_dim, H = c->dim, KVD = c->kv_dim, T = max_tokens, E = c->n_experts, K = c->n_experts_active;
-    for (uint64_t i = 0; i < m->n_tensors; i++)
-        if (m->dir[i].dtype != DT_F32 && m->dir[i].dtype != DT_BF16 && strcmp(m->dir[i].name, "tokenizer"))
-            GFAIL("tensor %s is quantized (dtype %u): the GPU backend reads bf16 and f32 weights\n"
-                  "  hint: use --cpu, or export with --dtype bf16", m->dir[i].name, m->dir[i].dtype);
+    /* formats: the matmul weights all quantized alike (q8 or q4) or none of them; the embedding (and with it a tied
+     * lm_head) and lm_head may be quantized on their own (export.py: the embedding is q8 in q4 files too); the
+     * router never is */
+    int plain_dt = g->bf ? DT_BF16 : DT_F32;
+    g->wdt = is_quant(mw->layers[0].wq.dtype) ? mw->layers[0].wq.dtype : plain_dt;
+    g->edt = is_quant(mw->embed.dtype) ? mw->embed.dtype : plain_dt;
+    g->ldt = c->tied_embeddings ? g->edt : is_quant(mw->lm_head.dtype) ? mw->lm_head.dtype : plain_dt;
+    if (c->block_size && (is_quant(g->wdt) || (mw->fc.data && is_quant(mw->fc.dtype))))
+        GFAIL("a quantized DFlash drafter runs on the CPU backend in this version\n  hint: use --cpu, or export the "
+              "drafter with --dtype bf16");
+    for (int l = 0; l < c->n_layers; l++) {
+        const LayerWeights *lw = &mw->layers[l];
+        const Tensor *ts[] = {&lw->wq, &lw->wk, &lw->wv, &lw->wg, &lw->wo, &lw->w_gate, &lw->w_up, &lw->w_down,
+                              &lw->shared_gate, &lw->shared_up, &lw->shared_down, &lw->experts_gate_up, &lw->experts_down};
+        for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++)
+            if (ts[i]->data && (is_quant(g->wdt) ? ts[i]->dtype != g->wdt : is_quant(ts[i]->dtype)))
+                GFAIL("layer %d: the GPU backend needs every matmul weight in one format (q8, q4, or unquantized)\n"
+                      "  hint: use --cpu, or re-export with one --dtype", l);
+        if (lw->router.data && is_quant(lw->router.dtype))
+            GFAIL("layer %d: a quantized router is not supported on the GPU\n  hint: use --cpu", l);
+    }
     if (D != 16 && D != 32 && D != 64 && D != 128)
         GFAIL("head_dim %d is not supported by the GPU backend (16, 32, 64 or 128)\n  hint: use --cpu", D);
     if (H % 8 || (E && (c->moe_hidden_dim % 8 || c->shared_hidden_dim % 8)) || c->hidden_dim % 8)
@@ -1947,6 +2262,16 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
         ALLOC(g->blk_cnt, ((size_t)T / ROUTE_TOK + 1) * E, int);
         ALLOC(g->tile_start, E + 1, int);
     }
+    if (is_quant(g->wdt) || is_quant(g->ldt)) {
+        /* the largest matrix the GEMMs read dequantized: a layer's projections, lm_head, or one projection of all
+         * experts (only the active ones are written, each at its place) */
+        size_t most = is_quant(g->ldt) ? (size_t)c->vocab_size * H : 0;
+        if (is_quant(g->wdt)) {
+            size_t cand[] = {(size_t)NQ * H, (size_t)QD * H, (size_t)2 * hid * H, (size_t)E * 2 * I * H};
+            for (size_t i = 0; i < sizeof cand / sizeof cand[0]; i++) if (cand[i] > most) most = cand[i];
+        }
+        ALLOC(g->wdq, most * dsize(g), char);
+    }
 #undef ALLOC
     g->actbytes = act0;
     CUDA_CHECK(cudaMemset(g->counters, 0, (1 + c->n_kv_heads) * sizeof(int)));   /* each user resets its own */
@@ -1977,7 +2302,8 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
     CUDA_CHECK(cudaMemGetInfo(&fr, &tot));
     snprintf(g->summary, sizeof g->summary, "weights %.2f GiB (%s), KV cache %.2f GiB (%d positions), "
              "activations %.2f GiB, GPU memory in use %.1f of %.1f GiB",
-             g->wbytes / 1073741824.0, g->bf ? "bf16" : "f32", g->kvbytes / 1073741824.0, ctx,
+             g->wbytes / 1073741824.0, g->wdt == DT_Q8 ? "q8" : g->wdt == DT_Q4 ? "q4" : g->bf ? "bf16" : "f32",
+             g->kvbytes / 1073741824.0, ctx,
              g->actbytes / 1073741824.0, (tot - fr) / 1073741824.0, tot / 1073741824.0);
     return g;
 }
@@ -1992,7 +2318,7 @@ extern "C" void gpu_free(GpuModel *g) {
                    g->part_o, g->part_ml, g->tokens, g->pos, g->d_step, g->counters, g->router_logits, g->topk_idx, g->topk_w,
                    g->pair_w, g->pair_tok, g->inv, g->start, g->active, g->n_active, g->h_pair, g->hs, g->y_pair,
                    g->ys, g->x_sorted, g->act_sorted, g->gptr, g->blk_cnt, g->tile_start, g->ids, g->taps, g->cat,
-                   g->ctxv};
+                   g->ctxv, g->wdq};
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++) if (dev[i]) cudaFree(dev[i]);
     void *host[] = {g->h_tokens, g->h_logits, g->h_step, g->h_start, g->h_gptr, g->h_ids};
     for (size_t i = 0; i < sizeof host / sizeof host[0]; i++) if (host[i]) cudaFreeHost(host[i]);
@@ -2003,10 +2329,31 @@ extern "C" void gpu_free(GpuModel *g) {
 /* ----------------------------------------------------------------------------
  * the forward pass, in model order (same steps as forward() in laguna.c) */
 
-/* y[n, out] = beta * y + x[n, in] . W[out, in]^T  (cuBLAS; bf16 weights take a bf16 copy of x) */
-static void gemm(GpuModel *g, float *y, int ldy, const void *W, int out, int in, const float *x, int n, float beta) {
+/* rows of a q8 / q4 matrix (total_rows x in, format dt) into g->wdq in the GEMMs' dtype: all of them, or with sel the
+ * active experts sel[0..*n_sel) of a stack of `rows`-row matrices, each at its own place (max_sel bounds *n_sel) */
+static void dequantize(GpuModel *g, int dt, const void *w, size_t total_rows, int in, int rows, int max_sel,
+                       const int *sel, const int *n_sel) {
+    WPtr m = wmat(dt, w, total_rows, in);
+    size_t chunks = (sel ? (size_t)max_sel * rows : total_rows) * ((in + 31) / 32) * (dt == DT_Q8 ? 2 : 1);
+    unsigned grid = grid_for(chunks, 256);
+    int r = sel ? rows : (int)total_rows;
+#define DQ(WW, TT) dequant_kernel<WW, TT><<<grid, 256, 0, g->stream>>>((TT *)g->wdq, m, in, r, max_sel, sel, n_sel)
+    if (dt == DT_Q8) { if (g->bf) DQ(Q8, bf16); else DQ(Q8, float); }
+    else { if (g->bf) DQ(Q4, bf16); else DQ(Q4, float); }
+#undef DQ
+    LAUNCH_CHECK();
+}
+
+/* y[n, out] = beta * y + x[n, in] . W[out, in]^T  (cuBLAS; bf16 weights take a bf16 copy of x). A q8 / q4 W (wdt)
+ * is dequantized first, to bf16 (bf16 files) or f32 (files from f32 checkpoints). */
+static void gemm(GpuModel *g, float *y, int ldy, const void *W, int out, int in, const float *x, int n, float beta,
+                 int wdt = -1) {
     const float one = 1.0f;
     const void *xin = x;
+    if (is_quant(wdt)) {
+        dequantize(g, wdt, W, out, in, out, 0, NULL, NULL);
+        W = g->wdq;
+    }
     if (g->bf) {
         convert<float, bf16><<<grid_for((size_t)n * in, 256), 256, 0, g->stream>>>((bf16 *)g->act16, x, (size_t)n * in);
         LAUNCH_CHECK();
@@ -2034,23 +2381,37 @@ static void launch(GpuModel *g, void (*kernel)(P...), dim3 grid, dim3 block, siz
     CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, ((P)args)...));
 }
 
-/* the decode matvec: 8 weight chunks per thread, spread over ROWS rows x NCH chunks per row (in <= 2048 * NCH) */
+/* the decode matvec: 8 weight loads per thread, spread over ROWS rows x NCH chunks per row (in <= 256 * CH * NCH) */
 template <typename W>
 static void matvec(GpuModel *g, float *out, const void *w, int rows, int in, const float *x, const float *norm_w,
                    float *xb_out, const float *bias, int accumulate) {
-#define MV(R, N) launch(g, matvec_kernel<W, R, N>, dim3((rows + R - 1) / R), dim3(256), 0, out, (const W *)w, rows, in, \
+    constexpr int CH = Fmt<W>::CH, RG = Fmt<W>::RG;
+    const WPtr m = wmat(Fmt<W>::DT, w, rows, in);
+#define MV(R, N) launch(g, matvec_kernel<W, R, N>, dim3((rows + R - 1) / R), dim3(256), 0, out, m, rows, in, \
                         x, norm_w, g->c.norm_eps, xb_out, bias, accumulate)
-    /* in <= 2048: a warp per row, 2 rows per warp (x staged once per 16 rows). Measured on the H200 in the
-     * decode graph (dev/gpu_notes.md, round 2): 317 tok/s with 2 rows per warp, 311 with 4, 292 with 1,
-     * 309 with the block-rows kernel below; the block-rows kernel wins for the 8192-wide o_proj */
-#define MVW(R) launch(g, matvec_warp<W, 8, R>, dim3((rows + 8 * R - 1) / (8 * R)), dim3(256), 0, out, (const W *)w, rows, \
-                      in, x, norm_w, g->c.norm_eps, xb_out, bias, accumulate)
+    /* in <= 2048: a warp per row (RG rows quantized), 2 steps per warp (x staged once per 16 * RG rows). Measured on
+     * the H200 in the decode graph (dev/gpu_notes.md, round 2, bf16): 317 tok/s with 2 rows per warp, 311 with 4,
+     * 292 with 1, 309 with the block-rows kernel below; the block-rows kernel wins for the 8192-wide o_proj */
+#define MVW(R) launch(g, matvec_warp<W, 64 / CH, R>, dim3((rows + 8 * R * RG - 1) / (8 * R * RG)), dim3(256), 0, out, m, \
+                      rows, in, x, norm_w, g->c.norm_eps, xb_out, bias, accumulate)
+    int nch = (in + 256 * CH - 1) / (256 * CH);    /* chunks per thread and row in the block-rows kernel */
     if (in <= 2048) MVW(2);
 #undef MVW
-    else if (in <= 4096) MV(4, 2);
-    else if (in <= 8192) MV(2, 4);
+    else if (nch <= 1) MV(8, 1);
+    else if (nch <= 2) MV(4, 2);
+    else if (nch <= 4) MV(2, 4);
     else MV(1, 8);
 #undef MV
+}
+/* the same for a format known at run time (lm_head: the lm_head's or the embedding's) */
+static void matvec_dt(GpuModel *g, int dt, float *out, const void *w, int rows, int in, const float *x,
+                      const float *norm_w, float *xb_out, const float *bias, int accumulate) {
+    switch (dt) {
+    case DT_BF16: matvec<bf16>(g, out, w, rows, in, x, norm_w, xb_out, bias, accumulate); break;
+    case DT_Q8: matvec<Q8>(g, out, w, rows, in, x, norm_w, xb_out, bias, accumulate); break;
+    case DT_Q4: matvec<Q4>(g, out, w, rows, in, x, norm_w, xb_out, bias, accumulate); break;
+    default: matvec<float>(g, out, w, rows, in, x, norm_w, xb_out, bias, accumulate);
+    }
 }
 
 /* one token with the fused decode attention (q/k norm and RoPE inside): group <= 8, D a power of two 16..128 */
@@ -2110,33 +2471,36 @@ static void attention(GpuModel *g, int l, int n, int pos) {
     LAUNCH_CHECK();
 }
 
-template <typename W>
+template <typename W, typename P>
 static void mlp_decode(GpuModel *g, int l) {
     const Config *c = &g->c;
     GpuLayer *L = &g->L[l];
-    int H = c->dim, I = c->moe_hidden_dim, K = c->n_experts_active;
+    int H = c->dim, I = c->moe_hidden_dim, K = c->n_experts_active, E = c->n_experts, DT = Fmt<W>::DT, RG = Fmt<W>::RG;
+    const WPtr gate_up = wmat(DT, L->gate_up, 2 * (size_t)L->hid, H), down = wmat(DT, L->down, H, L->hid);
+    const WPtr egu = wmat(DT, L->experts_gate_up, (size_t)E * 2 * I, H), edn = wmat(DT, L->experts_down, (size_t)E * H, I);
     /* gate/up: the one-token kernel (H <= 2048) or the general one; the always-on matrix's blocks first */
 #define GATE_UP(EGU, NI, KA) do { \
-        if (H <= 2048) launch(g, moe_gate_up_decode<W, 8>, dim3((L->hid + 7) / 8 + (KA) * ((I + 7) / 8)), dim3(256), 0, \
-                              (const W *)(EGU), I, (const W *)L->gate_up, L->hid, H, (const float *)g->xb, \
+        if (H <= 2048) launch(g, moe_gate_up_decode<W, 64 / Fmt<W>::CH>, \
+                              dim3((L->hid + 8 * RG - 1) / (8 * RG) + (KA) * ((I + 8 * RG - 1) / (8 * RG))), dim3(256), 0, \
+                              EGU, I, gate_up, L->hid, H, (const float *)g->xb, \
                               (const int *)g->active, (const int *)(NI), g->h_pair, (KA) ? g->hs : g->mlp_act); \
-        else launch(g, moe_gate_up<W>, dim3((KA) * ((I + 7) / 8) + (L->hid + 7) / 8), dim3(256), 0, (const W *)(EGU), I, \
-                    (const W *)L->gate_up, L->hid, H, (const float *)g->xb, 1, (const int *)g->start, \
+        else launch(g, moe_gate_up<W>, dim3((KA) * ((I + 7) / 8) + (L->hid + 7) / 8), dim3(256), 0, EGU, I, \
+                    gate_up, L->hid, H, (const float *)g->xb, 1, (const int *)g->start, \
                     (const int *)g->pair_tok, (const int *)g->active, (const int *)(NI), KA, g->h_pair, \
                     (KA) ? g->hs : g->mlp_act); \
     } while (0)
     if (L->dense) {
         launch(g, rmsnorm_kernel, dim3(1), dim3(256), 0, g->xb, (const float *)g->x, H, (const float *)L->ffn_norm, H,
                c->norm_eps);
-        GATE_UP(NULL, NULL, 0);
-        launch(g, moe_down_decode<W>, dim3((H + 7) / 8), dim3(256), 0, g->x, (const W *)NULL, 0, (const W *)L->down,
+        GATE_UP(WPtr(NULL), NULL, 0);
+        launch(g, moe_down_decode<W>, dim3((H + 7) / 8), dim3(256), 0, g->x, WPtr(NULL), 0, down,
                L->hid, H, NULL, NULL, NULL, NULL, (const float *)g->mlp_act, 0.0f);
         return;
     }
     /* route: router logits from the normed x (the norm folded into the matvec, which also leaves xb) and the
-     * top-k plan, one launch */
-#define ROUTE(N) launch(g, router_decode<W, N>, dim3((c->n_experts + 1) / 2), dim3(256), 0, g->router_logits, \
-        (const W *)L->router, c->n_experts, H, (const float *)g->x, (const float *)L->ffn_norm, c->norm_eps, g->xb, \
+     * top-k plan, one launch; the router is never quantized (P: bf16 or f32) */
+#define ROUTE(N) launch(g, router_decode<P, N>, dim3((c->n_experts + 1) / 2), dim3(256), 0, g->router_logits, \
+        WPtr(L->router), c->n_experts, H, (const float *)g->x, (const float *)L->ffn_norm, c->norm_eps, g->xb, \
         (const float *)L->expert_bias, K, c->router_softcap, g->topk_idx, g->topk_w, g->start, g->pair_tok, \
         g->pair_w, g->inv, g->active, g->n_active, g->counters)
     if (H <= 2048) ROUTE(1);
@@ -2144,28 +2508,33 @@ static void mlp_decode(GpuModel *g, int l) {
     else if (H <= 8192) ROUTE(4);
     else ROUTE(8);
 #undef ROUTE
-    GATE_UP(L->experts_gate_up, g->n_active, K);
+    GATE_UP(egu, g->n_active, K);
 #undef GATE_UP
-    launch(g, moe_down_decode<W>, dim3((H + 7) / 8), dim3(256), 0, g->x, (const W *)L->experts_down, I,
-           (const W *)L->down, L->hid, H, (const int *)g->active, (const int *)g->n_active, (const float *)g->pair_w,
-           (const float *)g->h_pair, (const float *)g->hs, c->routed_scaling);
+    launch(g, moe_down_decode<W>, dim3((H + 7) / 8), dim3(256), 0, g->x, edn, I, down, L->hid, H,
+           (const int *)g->active, (const int *)g->n_active, (const float *)g->pair_w, (const float *)g->h_pair,
+           (const float *)g->hs, c->routed_scaling);
 }
 
 /* the shared expert of n tokens: plain GEMMs over all tokens */
 static void moe_shared_many(GpuModel *g, GpuLayer *L, int n) {
     int H = g->c.dim, S = L->hid;
-    gemm(g, g->mlp_h, 2 * S, L->gate_up, 2 * S, H, g->xb, n, 0.0f);
+    gemm(g, g->mlp_h, 2 * S, L->gate_up, 2 * S, H, g->xb, n, 0.0f, g->wdt);
     swiglu_kernel<float><<<grid_for((size_t)n * S, 256), 256, 0, g->stream>>>(g->mlp_act, g->mlp_h, n, S);
     LAUNCH_CHECK();
-    gemm(g, g->ys, H, L->down, H, S, g->mlp_act, n, 0.0f);
+    gemm(g, g->ys, H, L->down, H, S, g->mlp_act, n, 0.0f, g->wdt);
 }
 
-/* the MoE of n > 1 tokens, grouped by expert */
-template <typename W>
+/* the MoE of n > 1 tokens, grouped by expert (W: the experts' format; P: bf16 or f32, the router's and the GEMMs') */
+template <typename W, typename P_>
 static void moe_many(GpuModel *g, int l, int n) {
     const Config *c = &g->c;
     GpuLayer *L = &g->L[l];
     int H = c->dim, I = c->moe_hidden_dim, S = L->hid, E = c->n_experts, K = c->n_experts_active, P = n * K;
+    const int DT = Fmt<W>::DT, q = is_q<W>;
+    /* quantized experts for the GEMMs: the active ones dequantized into g->wdq, each at its own place (gate/up first,
+     * down once gate/up has been read); unquantized ones are read in place */
+    const char *egu = q ? (const char *)g->wdq : (const char *)L->experts_gate_up;
+    const char *edn = q ? (const char *)g->wdq : (const char *)L->experts_down;
     gemm(g, g->router_logits, E, L->router, E, H, g->xb, n, 0.0f);
     /* route and sort the pairs by expert (multi-block; see route_many_topk) */
     int nblk = (n + ROUTE_TOK - 1) / ROUTE_TOK, bm = moe_bm(P, E);
@@ -2181,20 +2550,24 @@ static void moe_many(GpuModel *g, int l, int n) {
     int max_active = P < E ? P : E;
     if (P <= 512) {
         /* a few tokens (verification): one launch over the active experts' rows, each read once */
-        moe_gate_up<W><<<max_active * ((I + 7) / 8) + (S + 7) / 8, 256, 0, g->stream>>>((const W *)L->experts_gate_up, I,
-            (const W *)L->gate_up, S, H, g->xb, n, g->start, g->pair_tok, g->active, g->n_active, max_active, g->h_pair, g->hs);
+        moe_gate_up<W><<<max_active * ((I + 7) / 8) + (S + 7) / 8, 256, 0, g->stream>>>(
+            wmat(DT, L->experts_gate_up, (size_t)E * 2 * I, H), I, wmat(DT, L->gate_up, 2 * (size_t)S, H), S, H, g->xb, n,
+            g->start, g->pair_tok, g->active, g->n_active, max_active, g->h_pair, g->hs);
         LAUNCH_CHECK();
-        moe_down<W><<<max_active * ((H + 7) / 8) + (H + 7) / 8, 256, 0, g->stream>>>((const W *)L->experts_down, I,
-            (const W *)L->down, S, H, n, g->start, g->active, g->n_active, max_active, g->h_pair, g->hs, g->y_pair, g->ys);
+        moe_down<W><<<max_active * ((H + 7) / 8) + (H + 7) / 8, 256, 0, g->stream>>>(
+            wmat(DT, L->experts_down, (size_t)E * H, I), I, wmat(DT, L->down, H, S), S, H, n, g->start, g->active,
+            g->n_active, max_active, g->h_pair, g->hs, g->y_pair, g->ys);
         LAUNCH_CHECK();
     } else if (g->bf) {
         /* many tokens (prefill), bf16: the pairs' inputs gathered in expert order, then one tensor-core grouped
          * GEMM per projection (SwiGLU fused into gate_up); the tile map comes from route_many_scan, no host sync */
         gather_rows<bf16><<<P, 256, 0, g->stream>>>((bf16 *)g->x_sorted, g->xb, g->pair_tok, H);
         LAUNCH_CHECK();
-        moe_gemm_launch<true>(bm, (const bf16 *)g->x_sorted, (const bf16 *)L->experts_gate_up, I, H, g->start,
+        if (q) dequantize(g, DT, L->experts_gate_up, (size_t)E * 2 * I, H, 2 * I, max_active, g->active, g->n_active);
+        moe_gemm_launch<true>(bm, (const bf16 *)g->x_sorted, (const bf16 *)egu, I, H, g->start,
                               g->tile_start, E, P, g->act_sorted, g->stream);
-        moe_gemm_launch<false>(bm, (const bf16 *)g->act_sorted, (const bf16 *)L->experts_down, H, I, g->start,
+        if (q) dequantize(g, DT, L->experts_down, (size_t)E * H, I, H, max_active, g->active, g->n_active);
+        moe_gemm_launch<false>(bm, (const bf16 *)g->act_sorted, (const bf16 *)edn, H, I, g->start,
                                g->tile_start, E, P, g->y_pair, g->stream);
         moe_shared_many(g, L, n);
     } else {
@@ -2202,7 +2575,7 @@ static void moe_many(GpuModel *g, int l, int n) {
          * each expert's token count padded to the largest (cuBLAS' grouped GEMM does not take bf16 -> f32 here).
          * The counts come to the host: one small copy and a sync per layer. Padding rows read neighbouring
          * experts' inputs and write padding outputs that nothing reads. */
-        gather_rows<W><<<P, 256, 0, g->stream>>>((W *)g->x_sorted, g->xb, g->pair_tok, H);
+        gather_rows<P_><<<P, 256, 0, g->stream>>>((P_ *)g->x_sorted, g->xb, g->pair_tok, H);
         LAUNCH_CHECK();
         CUDA_CHECK(cudaMemcpyAsync(g->h_start, g->start, (E + 1) * sizeof(int), cudaMemcpyDeviceToHost, g->stream));
         CUDA_CHECK(cudaStreamSynchronize(g->stream));
@@ -2213,6 +2586,7 @@ static void moe_many(GpuModel *g, int l, int n) {
             na += cnt > 0;
         }
         size_t es = dsize(g);
+        if (q) dequantize(g, DT, L->experts_gate_up, (size_t)E * 2 * I, H, 2 * I, max_active, g->active, g->n_active);
         void **hp = g->h_gptr;
         int *rank = (int *)(hp + 6 * (size_t)E);          /* expert -> its slot among the active ones */
         int a = 0;
@@ -2220,10 +2594,10 @@ static void moe_many(GpuModel *g, int l, int n) {
             int cnt = g->h_start[e + 1] - g->h_start[e], s0 = g->h_start[e];
             rank[e] = a;
             if (!cnt) continue;
-            hp[0 * E + a] = (char *)L->experts_gate_up + (size_t)e * 2 * I * H * es;
+            hp[0 * E + a] = (char *)egu + (size_t)e * 2 * I * H * es;
             hp[1 * E + a] = (char *)g->x_sorted + (size_t)s0 * H * es;
             hp[2 * E + a] = g->h_pair + (size_t)a * maxc * 2 * I;
-            hp[3 * E + a] = (char *)L->experts_down + (size_t)e * H * I * es;
+            hp[3 * E + a] = (char *)edn + (size_t)e * H * I * es;
             hp[4 * E + a] = (char *)g->act_sorted + (size_t)a * maxc * I * es;
             hp[5 * E + a] = g->y_pair + (size_t)a * maxc * H;
             a++;
@@ -2236,8 +2610,9 @@ static void moe_many(GpuModel *g, int l, int n) {
             CUBLAS_CHECK(cublasGemmBatchedEx(g->blas, CUBLAS_OP_T, CUBLAS_OP_N, 2 * I, maxc, H, &one, (const void *const *)dp, dt, H,
                                              (const void *const *)(dp + E), dt, H, &zero, (void *const *)(dp + 2 * E), CUDA_R_32F,
                                              2 * I, na, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-            swiglu_kernel<W><<<grid_for((size_t)na * maxc * I, 256), 256, 0, g->stream>>>((W *)g->act_sorted, g->h_pair, (size_t)na * maxc, I);
+            swiglu_kernel<P_><<<grid_for((size_t)na * maxc * I, 256), 256, 0, g->stream>>>((P_ *)g->act_sorted, g->h_pair, (size_t)na * maxc, I);
             LAUNCH_CHECK();
+            if (q) dequantize(g, DT, L->experts_down, (size_t)E * H, I, H, max_active, g->active, g->n_active);
             CUBLAS_CHECK(cublasGemmBatchedEx(g->blas, CUBLAS_OP_T, CUBLAS_OP_N, H, maxc, I, &one, (const void *const *)(dp + 3 * E), dt, I,
                                              (const void *const *)(dp + 4 * E), dt, I, &zero, (void *const *)(dp + 5 * E), CUDA_R_32F,
                                              H, na, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
@@ -2250,17 +2625,18 @@ static void moe_many(GpuModel *g, int l, int n) {
                 int cnt = g->h_start[e + 1] - g->h_start[e], s0 = g->h_start[e];
                 if (!cnt) continue;
                 CUBLAS_CHECK(cublasGemmEx(g->blas, CUBLAS_OP_T, CUBLAS_OP_N, 2 * I, cnt, H, &one,
-                                          (char *)L->experts_gate_up + (size_t)e * 2 * I * H * es, dt, H,
+                                          egu + (size_t)e * 2 * I * H * es, dt, H,
                                           (char *)g->x_sorted + (size_t)s0 * H * es, dt, H, &zero, g->h_pair + (size_t)s0 * 2 * I,
                                           CUDA_R_32F, 2 * I, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
             }
-            swiglu_kernel<W><<<grid_for((size_t)P * I, 256), 256, 0, g->stream>>>((W *)g->act_sorted, g->h_pair, P, I);
+            swiglu_kernel<P_><<<grid_for((size_t)P * I, 256), 256, 0, g->stream>>>((P_ *)g->act_sorted, g->h_pair, P, I);
             LAUNCH_CHECK();
+            if (q) dequantize(g, DT, L->experts_down, (size_t)E * H, I, H, max_active, g->active, g->n_active);
             for (int e = 0; e < E; e++) {
                 int cnt = g->h_start[e + 1] - g->h_start[e], s0 = g->h_start[e];
                 if (!cnt) continue;
                 CUBLAS_CHECK(cublasGemmEx(g->blas, CUBLAS_OP_T, CUBLAS_OP_N, H, cnt, I, &one,
-                                          (char *)L->experts_down + (size_t)e * H * I * es, dt, I,
+                                          edn + (size_t)e * H * I * es, dt, I,
                                           (char *)g->act_sorted + (size_t)s0 * I * es, dt, I, &zero, g->y_pair + (size_t)s0 * H,
                                           CUDA_R_32F, H, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
             }
@@ -2271,13 +2647,18 @@ static void moe_many(GpuModel *g, int l, int n) {
     LAUNCH_CHECK();
 }
 
-/* forward over n tokens already in g->tokens at the position in g->pos (pos: the same, on the host) */
-template <typename W>
+/* forward over n tokens already in g->tokens at the position in g->pos (pos: the same, on the host). W: the format
+ * of the matmul weights; P: bf16 or float, that of what is not quantized (router, GEMM inputs, the KV cache's default) */
+template <typename W, typename P>
 static void forward_gpu(GpuModel *g, int n, int pos, int all_logits) {
     const Config *c = &g->c;
-    int H = c->dim, D = c->head_dim, V = c->vocab_size;
+    int H = c->dim, D = c->head_dim, V = c->vocab_size, DT = Fmt<W>::DT;
     g->pdl_now = 0;        /* the embedding follows the step's parameter copies: a plain launch */
-    embed_kernel<W><<<n, 256, 0, g->stream>>>(g->x, (const W *)g->embed, g->tokens, H);
+    switch (g->edt) {      /* a quantized embedding: q8 (also in q4 files) */
+    case DT_Q8: embed_kernel<Q8><<<n, 256, 0, g->stream>>>(g->x, wmat(DT_Q8, g->embed, V, H), g->tokens, H); break;
+    case DT_Q4: embed_kernel<Q4><<<n, 256, 0, g->stream>>>(g->x, wmat(DT_Q4, g->embed, V, H), g->tokens, H); break;
+    default: embed_kernel<P><<<n, 256, 0, g->stream>>>(g->x, WPtr(g->embed), g->tokens, H);
+    }
     LAUNCH_CHECK();
     g->pdl_now = g->pdl && n == 1;
     for (int l = 0; l < c->n_layers; l++) {
@@ -2289,7 +2670,7 @@ static void forward_gpu(GpuModel *g, int n, int pos, int all_logits) {
         } else {
             rmsnorm_kernel<<<n, 256, 0, g->stream>>>(g->xb, g->x, H, L->attn_norm, H, c->norm_eps);
             LAUNCH_CHECK();
-            gemm(g, g->qkvg, L->NQ, L->wqkvg, L->NQ, H, g->xb, n, 0.0f);
+            gemm(g, g->qkvg, L->NQ, L->wqkvg, L->NQ, H, g->xb, n, 0.0f, DT);
             if (L->bqkvg) {
                 add_bias_kernel<<<grid_for((size_t)n * L->NQ, 256), 256, 0, g->stream>>>(g->qkvg, L->bqkvg, n, L->NQ);
                 LAUNCH_CHECK();
@@ -2307,37 +2688,40 @@ static void forward_gpu(GpuModel *g, int n, int pos, int all_logits) {
         /* o_proj straight into the residual stream */
         if (n == 1) matvec<W>(g, g->x, L->wo, H, QD, g->att, NULL, NULL, L->bo, 1);
         else {
-            gemm(g, g->x, H, L->wo, H, QD, g->att, n, 1.0f);
+            gemm(g, g->x, H, L->wo, H, QD, g->att, n, 1.0f, DT);
             if (L->bo) { add_bias_kernel<<<grid_for((size_t)n * H, 256), 256, 0, g->stream>>>(g->x, L->bo, n, H); LAUNCH_CHECK(); }
         }
         /* ---- MLP block: dense SwiGLU or MoE ---- */
-        if (n == 1) { mlp_decode<W>(g, l); capture_taps(g, l, n); continue; }
+        if (n == 1) { mlp_decode<W, P>(g, l); capture_taps(g, l, n); continue; }
         rmsnorm_kernel<<<n, 256, 0, g->stream>>>(g->xb, g->x, H, L->ffn_norm, H, c->norm_eps);
         LAUNCH_CHECK();
         if (L->dense) {
-            gemm(g, g->mlp_h, 2 * L->hid, L->gate_up, 2 * L->hid, H, g->xb, n, 0.0f);
+            gemm(g, g->mlp_h, 2 * L->hid, L->gate_up, 2 * L->hid, H, g->xb, n, 0.0f, DT);
             swiglu_kernel<float><<<grid_for((size_t)n * L->hid, 256), 256, 0, g->stream>>>(g->mlp_act, g->mlp_h, n, L->hid);
             LAUNCH_CHECK();
-            gemm(g, g->x, H, L->down, H, L->hid, g->mlp_act, n, 1.0f);
+            gemm(g, g->x, H, L->down, H, L->hid, g->mlp_act, n, 1.0f, DT);
         } else {
-            moe_many<W>(g, l, n);
+            moe_many<W, P>(g, l, n);
         }
         capture_taps(g, l, n);
     }
     /* final norm and lm_head (every row, or the last) */
     int rows = all_logits ? n : 1, first = all_logits ? 0 : n - 1;
     if (rows == 1) {   /* the final norm folded into the matvec */
-        matvec<W>(g, g->logits, g->lm_head, V, H, g->x + (size_t)first * H, g->final_norm, NULL, NULL, 0);
+        matvec_dt(g, g->ldt, g->logits, g->lm_head, V, H, g->x + (size_t)first * H, g->final_norm, NULL, NULL, 0);
         return;
     }
     rmsnorm_kernel<<<rows, 256, 0, g->stream>>>(g->xb, g->x + (size_t)first * H, H, g->final_norm, H, c->norm_eps);
     LAUNCH_CHECK();
-    gemm(g, g->logits, V, g->lm_head, V, H, g->xb, rows, 0.0f);
+    gemm(g, g->logits, V, g->lm_head, V, H, g->xb, rows, 0.0f, g->ldt);
 }
 
 static void forward_any(GpuModel *g, int n, int pos, int all_logits) {
-    if (g->bf) forward_gpu<bf16>(g, n, pos, all_logits);
-    else forward_gpu<float>(g, n, pos, all_logits);
+    switch (g->wdt) {
+    case DT_Q8: if (g->bf) forward_gpu<Q8, bf16>(g, n, pos, all_logits); else forward_gpu<Q8, float>(g, n, pos, all_logits); break;
+    case DT_Q4: if (g->bf) forward_gpu<Q4, bf16>(g, n, pos, all_logits); else forward_gpu<Q4, float>(g, n, pos, all_logits); break;
+    default: if (g->bf) forward_gpu<bf16, bf16>(g, n, pos, all_logits); else forward_gpu<float, float>(g, n, pos, all_logits);
+    }
 }
 
 /* upload the tokens and the position, then enqueue the forward (the caller downloads what it needs and syncs) */

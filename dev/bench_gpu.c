@@ -1,28 +1,35 @@
 /* dev/bench_gpu.c -- the GPU benchmark behind `make bench` (results: dev/gpu_notes.md).
  *
  *   python3 export.py --synthetic XS-2.1 /dev/shm/xs21.bin && ./dev/bench_gpu /dev/shm/xs21.bin [contexts...]
+ *   (quantized: add --dtype q8 or q4 to the export)
  *
  * The synthetic file has the exact Laguna-XS-2.1 shapes with its matmul weights left as holes; the weights are
- * filled on the GPU with the --random-weights hash (seed 1). One GpuModel with the full 262,144-token window:
+ * filled on the GPU with the --random-weights hash (seed 1; q8 / q4 files get those values quantized, as the CPU
+ * does). One GpuModel with the full 262,144-token window:
  * for each context L, prefill L random tokens (timed: prefill tok/s; at 131,072 the time to first token), then
  * 128 greedy decode steps through the CUDA graph (timed after 8 warm-up steps), then 16-token forwards at L
  * (the DFlash verification shape, timed, rolled back each time). Achieved GB/s counts the bytes each token must
- * read: the attention, dense, router, 8 routed + shared experts and lm_head weights in bf16, plus the K/V
- * cache at that context (shared/spec/performance.md). */
+ * read: the attention, dense, router, 8 routed + shared experts and lm_head weights in the file's formats, plus
+ * the K/V cache at that context (shared/spec/performance.md). */
 #define TESTING
 #include "../laguna.c"
 
-static double weight_bytes_per_token(const Config *c) {
-    double p = 0;
-    int H = c->dim, D = c->head_dim, KVD = c->kv_dim;
+/* bytes of tensor t in its format (q8 / q4 with their scales) */
+static double tbytes(const Tensor *t) { return t->data ? (double)tensor_bytes(t->dtype, t->ndim, t->shape) : 0.0; }
+
+static double weight_bytes_per_token(const Model *m) {
+    const Config *c = &m->config;
+    const Weights *w = &m->weights;
+    double b = 0;
     for (int l = 0; l < c->n_layers; l++) {
-        int nh = c->n_heads[l];
-        p += (double)nh * D * H * 2 + 2.0 * KVD * H + (double)(c->gate_per_head ? nh : nh * D) * H;
-        if (c->mlp_type[l] == MLP_DENSE) p += 3.0 * H * c->hidden_dim;
-        else p += (double)c->n_experts * H + 3.0 * H * c->moe_hidden_dim * c->n_experts_active + 3.0 * H * c->shared_hidden_dim;
+        const LayerWeights *lw = &w->layers[l];
+        b += tbytes(&lw->wq) + tbytes(&lw->wk) + tbytes(&lw->wv) + tbytes(&lw->wg) + tbytes(&lw->wo);
+        if (c->mlp_type[l] == MLP_DENSE) b += tbytes(&lw->w_gate) + tbytes(&lw->w_up) + tbytes(&lw->w_down);
+        else b += tbytes(&lw->router) + (tbytes(&lw->experts_gate_up) + tbytes(&lw->experts_down)) *
+                  c->n_experts_active / c->n_experts + tbytes(&lw->shared_gate) + tbytes(&lw->shared_up) +
+                  tbytes(&lw->shared_down);
     }
-    p += (double)c->vocab_size * H;
-    return 2 * p;
+    return b + tbytes(c->tied_embeddings ? &w->embed : &w->lm_head);
 }
 
 static double kv_bytes_per_token(const Config *c, int ctx) {
@@ -59,8 +66,11 @@ int main(int argc, char **argv) {
     unsigned long long rng = 42;
     for (int i = 0; i < maxL + 256; i++) ids[i] = 3 + (int)(random_u32(&rng) % (unsigned)(c->vocab_size - 3));
 
-    double wb = weight_bytes_per_token(c);
-    printf("\nweights read per decoded token: %.3f GB (bf16)\n\n", wb / 1e9);
+    double wb = weight_bytes_per_token(&m);
+    const char *fmt = m.weights.layers[0].wq.dtype == DT_Q8 ? "q8" : m.weights.layers[0].wq.dtype == DT_Q4 ? "q4"
+                    : m.weights.layers[0].wq.dtype == DT_BF16 ? "bf16" : "f32";
+    printf("\nfile %s: %.2f GB (%s)\nweights read per decoded token: %.3f GB (%s)\n\n", argv[1], m.file_size / 1e9,
+           fmt, wb / 1e9, fmt);
     printf("| context | prefill tok/s | prefill s | decode tok/s | ms/token | GB/token | GB/s | of 4.3 TB/s | "
            "verify 16 ms | verify / decode |\n|---|---|---|---|---|---|---|---|---|---|\n");
     for (int ci = 0; ci < nc; ci++) {

@@ -417,3 +417,143 @@ def test_gpu_dflash_tiny_model(laguna_gpu):
     assert tau["gpu"] >= 2.2
     if same < len(prompts):
         pytest.xfail("bf16: the verify's 16-row GEMMs and the decode matvecs round differently (dev/gpu_notes.md)")
+
+
+# ---- quantized files (export.py --dtype q8 / q4; `pytest -k quant`) ----
+# Both backends compute with the same dequantized weights (value * fp16 scale); only the summation order differs.
+# Files exported from f32 checkpoints keep the rest in f32 on the GPU (f32 KV cache; n > 1 dequantizes to f32 for
+# cuBLAS), so |GPU - CPU| <= TOL_F32 on every path: one pass (long: 2048-token chunks, the experts dequantized for
+# the batched GEMMs), --chunk 1 (the decode kernels, dequantizing in registers), --chunk 7 (the few-pair expert
+# kernels and dequantized GEMMs). From bf16 checkpoints: the decode kernels with --kv f32 <= TOL_F32; as shipped
+# (bf16 KV cache, weights dequantized to bf16 for n > 1) the bf16 bar.
+
+QNAMES = ["xs2_f32", "variant", "long", "tied"]      # tied: lm_head is the q8 embedding, also in q4 files
+
+# Router near-ties, found on the CPU (a copy of laguna.c that prints each token's margin between the k-th and the
+# (k+1)-th expert by score + bias, and can force that route the other way): long in q8, layer 2, token 1179, margin
+# 2.9e-6 -- inside the summation-order noise of two fp32 backends. Forcing the other expert there on the CPU moves
+# rows 1179..1194 (the token, and the 15 after it that see its K/V in the last, 16-key sliding layer) by up to 1.30:
+# the "q8 long fixture differs by 1.3" of branch gpu-quant, not a kernel bug. Those rows are reported, not failed.
+# (The next-smallest margins: q8 2.0e-5, q4 1.5e-5.)
+NEAR_TIES = {("long", "q8"): (1179, 16)}
+
+
+def quant_diff(got, cpu, name, dtype):
+    """max |GPU - CPU| over the rows outside a known near-tie window, and inside it"""
+    d = np.abs(got - cpu).max(1)
+    inside = np.zeros(len(d), bool)
+    if (name, dtype) in NEAR_TIES:
+        r0, w = NEAR_TIES[(name, dtype)]
+        inside[r0:r0 + w] = True
+    return float(d[~inside].max()), float(d[inside].max()) if inside.any() else 0.0
+
+
+@pytest.mark.parametrize("dtype", ["q8", "q4"])
+@pytest.mark.parametrize("name", QNAMES)
+def test_gpu_quant_logits_match_cpu(laguna_gpu, exported, name, dtype, tmp_path):
+    m = exported(name, "--dtype", dtype)
+    sc = fx(name, "score.txt")
+    r = run([laguna_gpu, m, "--ids", "1 2", "-n", "1"])          # really on the GPU, with the file's format
+    assert "gpu:" in r.stderr and f"({dtype})" in r.stderr, r.stderr
+    cpu, _ = score(laguna_gpu, m, sc, tmp_path, "--cpu")
+    worst = 0.0
+    for label, extra in (("one pass", ()), ("--chunk 1", ("--chunk", "1")), ("--chunk 7", ("--chunk", "7"))):
+        got, _ = score(laguna_gpu, m, sc, tmp_path, *extra)
+        d, d_tie = quant_diff(got, cpu, name, dtype)
+        note = f"; rows of the near-tie at {NEAR_TIES[(name, dtype)][0]}: {d_tie:.3g}" if (name, dtype) in NEAR_TIES else ""
+        print(f"\n[gpu quant] {name} {dtype} {label}: max |GPU - CPU| = {d:.3g} over {cpu.shape[0]} rows "
+              f"(bar {TOL_F32}){note}", end="")
+        worst = max(worst, d)
+    print()
+    assert worst <= TOL_F32
+
+
+@pytest.mark.parametrize("dtype", ["q8", "q4"])
+def test_gpu_quant_bf16_file(laguna_gpu, exported, dtype, tmp_path):
+    m = exported("xs21_bf16", "--dtype", dtype)
+    sc = fx("xs21_bf16", "score.txt")
+    cpu, _ = score(laguna_gpu, m, sc, tmp_path, "--cpu")
+    exact, _ = score(laguna_gpu, m, sc, tmp_path, "--chunk", "1", "--kv", "f32")
+    shipped, _ = score(laguna_gpu, m, sc, tmp_path)
+    d_exact, d = float(np.abs(exact - cpu).max()), float(np.abs(shipped - cpu).max())
+    print(f"\n[gpu quant] xs21_bf16 {dtype}: decode kernels with an f32 KV cache: max |GPU - CPU| = {d_exact:.3g} "
+          f"(bar {TOL_F32}); as shipped: {d:.3g} (bar {TOL_BF16}), top-1 agreement "
+          f"{100 * float((shipped.argmax(1) == cpu.argmax(1)).mean()):.1f}%")
+    assert d_exact <= TOL_F32
+    if d > TOL_BF16:
+        pytest.xfail("bf16 KV/GEMM-input rounding flips MoE routes (dev/gpu_notes.md)")
+
+
+@pytest.mark.parametrize("dtype", ["q8", "q4"])
+@pytest.mark.parametrize("name", ["xs2_f32", "variant", "tied", "xs21_bf16"])
+def test_gpu_quant_greedy_identical_to_cpu(laguna_gpu, exported, name, dtype):
+    """greedy on the GPU (graph decode) == greedy on the CPU; the bf16 file through the exact path (f32 KV cache, the
+    prompt through the decode kernels)"""
+    m = exported(name, "--dtype", dtype)
+    prompt = open(fx(name, "prompt.txt")).read().strip()
+    n = len(read_ids(fx(name, "greedy.txt")))
+    args = [laguna_gpu, m, "--ids", prompt, "-t", "0", "-n", str(n), "-q"]
+    gpu = [int(x) for x in run(args + (["--chunk", "1", "--kv", "f32"] if name in BF16 else [])).stdout.split()]
+    cpu = [int(x) for x in run(args + ["--cpu"]).stdout.split()]
+    print(f"\n[gpu quant] {name} {dtype}: greedy {n} tokens, GPU == CPU {gpu == cpu}")
+    assert gpu == cpu
+
+
+@pytest.mark.parametrize("name,dtype", [("xs2_f32", "q4"), ("variant", "q8"), ("xs21_bf16", "q8")])
+def test_gpu_quant_graph_equals_plain_launches(laguna_gpu, exported, name, dtype):
+    prompt = open(fx(name, "prompt.txt")).read().strip()
+    m = exported(name, "--dtype", dtype)
+    for extra in (["-t", "0"], ["-t", "1.0", "-s", "7"], ["-t", "0.8", "-p", "0.9", "-s", "3"]):
+        args = [laguna_gpu, m, "--ids", prompt, "-n", "32", "-q", *extra]
+        graph = run(args).stdout.split()
+        plain = run(args, env=dict(os.environ, LAGUNA_NO_GRAPH="1")).stdout.split()
+        print(f"\n[gpu quant] {name} {dtype} {' '.join(extra)}: graph == plain launches: {graph == plain}")
+        assert graph == plain
+
+
+def test_gpu_quant_loader_refusals_and_dflash(laguna_gpu, exported, tmp_path):
+    """an inconsistent scale plane is refused by the GPU build as by the CPU one (load_model, before either backend);
+    DFlash with a quantized target runs on the CPU (a note), a quantized drafter beside a GPU target is refused"""
+    from test_model import expect_error
+    from test_quant import read_file
+    import struct
+    b, _, _, ents, doff = read_file(exported("xs2_f32", "--dtype", "q8"))
+    for tensor, off, value, phrase in (("model.layers.1.self_attn.o_proj.weight", 80, ("<I", 1), "o_proj"),
+                                       ("model.layers.2.self_attn.k_proj.weight", 96, ("<q", 65), "k_proj")):
+        data = bytearray(b)
+        i = [e[0] for e in ents].index(tensor)
+        struct.pack_into(value[0], data, doff + i * 128 + off, value[1])
+        p = tmp_path / "bad.bin"
+        p.write_bytes(bytes(data))
+        for extra in ([], ["--cpu"]):
+            expect_error([laguna_gpu, str(p), "--ids", "1 2", *extra], phrase)
+    prompt = open(fx("xs2_f32", "prompt.txt")).read().strip()
+    args = ["--ids", prompt, "-t", "0", "-n", "12"]
+    r = run([laguna_gpu, exported("xs2_f32", "--dtype", "q8"), "-d", exported("draft_xs2"), *args])
+    assert "runs on the CPU backend" in r.stderr
+    want = run([laguna_gpu, exported("xs2_f32", "--dtype", "q8"), *args, "-q", "--cpu"]).stdout
+    assert r.stdout == want
+    expect_error([laguna_gpu, exported("xs2_f32"), "-d", exported("draft_xs2", "--dtype", "q4"), *args],
+                 "quantized DFlash drafter")
+
+
+@pytest.mark.parametrize("dtype", ["q8", "q4"])
+def test_gpu_quant_random_weights_xs_shapes(laguna_gpu, tmp_path, dtype):
+    """XS-2.1 shapes (hidden 2048, head_dim 128, 256 experts top-8, vocab 100352), 2 layers, q8 / q4 holes filled by
+    --random-weights on each backend separately: the device fill equals laguna.c's, and the kernels at real sizes (80
+    tokens: 640 pairs, so one pass takes the grouped tensor-core GEMMs on the active experts dequantized to bf16)"""
+    syn = str(tmp_path / f"syn_{dtype}.bin")
+    run([sys.executable, os.path.join(ROOT, "export.py"), "-q", "--synthetic", "XS-2.1", "--layers", "2",
+         "--dtype", dtype, syn])
+    ids_file = tmp_path / "ids.txt"
+    ids_file.write_text(" ".join(map(str, np.random.default_rng(1).integers(3, 100352, size=80))))
+    common = ("--random-weights", "1", "-c", "256")
+    cpu, _ = score(laguna_gpu, syn, str(ids_file), tmp_path, *common, "--cpu")
+    exact, _ = score(laguna_gpu, syn, str(ids_file), tmp_path, *common, "--chunk", "1", "--kv", "f32")
+    shipped, _ = score(laguna_gpu, syn, str(ids_file), tmp_path, *common)
+    d_exact, d = float(np.abs(exact - cpu).max()), float(np.abs(shipped - cpu).max())
+    print(f"\n[gpu quant] XS-2.1 x2 layers {dtype}, random weights: decode kernels with an f32 KV cache max |GPU - CPU| "
+          f"= {d_exact:.3g} (bar 1e-3; logit std {cpu.std():.3g}); as shipped (bf16 KV, bf16 dequantized GEMMs): max "
+          f"{d:.3g}, mean {float(np.abs(shipped - cpu).mean()):.3g}, top-1 agreement "
+          f"{100 * float((shipped.argmax(1) == cpu.argmax(1)).mean()):.1f}%")
+    assert d_exact <= 1e-3
