@@ -397,7 +397,7 @@ def test_gpu_dflash_bf16_files(laguna_gpu, exported, tmp_path):
 @pytest.mark.skipif(not os.path.exists(TINY), reason="models/tiny.bin is not in this checkout")
 def test_gpu_dflash_tiny_model(laguna_gpu):
     """The shipped tiny model and its trained drafter (bf16): on the GPU the acceptance is real (tau like the CPU's,
-    bound 2.2 as in test_tiny.py) and the output equals the GPU's greedy without the drafter."""
+    bound 3 as in test_tiny.py) and the output equals the GPU's greedy without the drafter."""
     import json
     prompts = json.load(open(os.path.join(ROOT, "models", "src", "tiny-train", "heldout.json")))["prompts"][:8]
     tot = {"gpu": [0, 0, 0], "cpu": [0, 0, 0]}
@@ -414,7 +414,7 @@ def test_gpu_dflash_tiny_model(laguna_gpu):
     print(f"\n[gpu dflash] tiny model, {len(prompts)} held-out prompts x 64 tokens: tau GPU {tau['gpu']:.2f} "
           f"(acceptance {tot['gpu'][2] / tot['gpu'][1]:.3f}), CPU {tau['cpu']:.2f}; GPU output with the drafter == "
           f"without on {same}/{len(prompts)}")
-    assert tau["gpu"] >= 2.2
+    assert tau["gpu"] >= 3.0
     if same < len(prompts):
         pytest.xfail("bf16: the verify's 16-row GEMMs and the decode matvecs round differently (dev/gpu_notes.md)")
 

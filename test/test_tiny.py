@@ -13,7 +13,8 @@ MODEL = os.path.join(ROOT, "models", "tiny.bin")
 DRAFT = os.path.join(ROOT, "models", "tiny-dflash.bin")
 HELDOUT = os.path.join(ROOT, "models", "src", "tiny-train", "heldout.json")
 PPL_BOUND = 7.0      # measured 6.365 over all 11 held-out files (dev/tiny/eval.py, 2026-11-30)
-TAU_BOUND = 2.2      # measured 2.59 over 24 prompts x 128 tokens; the goal is 3 (not reached yet)
+TAU_BOUND = 3.0      # the bar; this test (8 prompts x 64 tokens) measured tau 5.33, acceptance 0.315
+                     # (2026-11-30, 2-core CPU); dev/tiny/eval.py's 24 prompts x 128 tokens: tau 5.89
 
 pytestmark = pytest.mark.skipif(not os.path.exists(MODEL), reason="models/tiny.bin is not in this checkout")
 

@@ -3,7 +3,8 @@
 
     python3 dev/tiny/plot.py [--train models/src/tiny-train] [--eval eval.json] [--out DIR]
 
-Writes DIR/tiny_loss.{png|svg} (target train / held-out loss against tokens; drafter held-out tau against blocks)
+Writes DIR/tiny_loss.{png|svg} (target train / held-out loss against tokens; drafter train / held-out loss and
+held-out tau against blocks, from drafter_loss.csv of train_drafter.py)
 and, with --eval (the JSON of dev/tiny/eval.py), DIR/tiny_acceptance.{png|svg}. PNG with matplotlib when it can
 be imported; otherwise a plain SVG written by hand (GitHub renders both in a README).
 """
@@ -38,6 +39,10 @@ def panels(train_dir, ev):
                     [("train", [(x / 1e6, y) for x, y in col(t, "tokens", "train_loss")], "line"),
                      ("held-out", [(x / 1e6, y) for x, y in col(t, "tokens", "val_loss")], "line")]))
     if d:
+        out.append(("drafter: block cross-entropy (slot-weighted)", "blocks (M)", "loss (nats)",
+                    [("train (mean since the last eval)", [(x / 1e6, y) for x, y in col(d, "blocks", "train_loss")],
+                      "line"),
+                     ("held-out", [(x / 1e6, y) for x, y in col(d, "blocks", "val_loss")], "line")]))
         out.append(("drafter: held-out tau of the speculative loop", "blocks (M)", "tau",
                     [("tau (the loop's, as laguna)", [(x / 1e6, y) for x, y in col(d, "blocks", "val_tau")], "line"),
                      ("mean L over anchors (optimistic)",
