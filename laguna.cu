@@ -1920,7 +1920,7 @@ struct GpuModel {
     void *wdq;               /* quantized files, n > 1: a matrix (or the active experts) dequantized for the GEMMs */
     int decode_split[2];     /* attention splits per layer type for one token (fixed: the graph is reused) */
     int kv;                  /* the KV cache's type: KV_BF16, KV_F32 or KV_FP8 (--kv; default: the weights' dtype) */
-    int attn_scalar;         /* LAGUNA_ATTN_SCALAR=1: the plain attention kernel on bf16 KV (a debug hook) */
+    int attn_scalar;         /* LAGUNA_ATTN_SCALAR=1: the plain attention kernel on a bf16 / fp8 cache (a debug hook) */
     int pdl;                 /* programmatic dependent launch for the decode kernels (LAGUNA_NO_PDL=1: off) */
     int pdl_now;             /* set while enqueueing a one-token forward */
     int fused_split[2];      /* attention_decode_fused splits per layer type */
