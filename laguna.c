@@ -750,6 +750,12 @@ static void moe(Model *m, int l, int n) {
     }
 }
 
+/* one K or V row into the cache: as is, or each element rounded to the nearest e4m3 value (--kv fp8: the values the
+ * GPU's fp8 cache holds, kept in fp32 storage so the attention below is unchanged) */
+static void cache_put(float *dst, const float *src, int n, int fp8) {
+    for (int i = 0; i < n; i++) dst[i] = fp8 ? fp8_e4m3_round(src[i]) : src[i];
+}
+
 float *forward(Model *m, const int *tokens, int n, int pos, int all_logits) {
     Config *c = &m->config;
     Weights *w = &m->weights;
@@ -783,8 +789,8 @@ float *forward(Model *m, const int *tokens, int n, int pos, int all_logits) {
                      c->rope_scaling[type]);
             /* append K/V at the position's row (full layers: the position; sliding: a ring) */
             size_t row = (size_t)((pos + t) % rows);
-            memcpy(s->key_cache[l] + row * KVD, s->k + (size_t)t * KVD, KVD * sizeof(float));
-            memcpy(s->value_cache[l] + row * KVD, s->v + (size_t)t * KVD, KVD * sizeof(float));
+            cache_put(s->key_cache[l] + row * KVD, s->k + (size_t)t * KVD, KVD, m->kv == KV_FP8);
+            cache_put(s->value_cache[l] + row * KVD, s->v + (size_t)t * KVD, KVD, m->kv == KV_FP8);
         }
         attention(m, l, n, pos);
         /* softplus output gate from the normed layer input, per head (or per element) */
@@ -918,7 +924,7 @@ typedef struct {
     const char *draft_path;
     const char *taps_out;
     const char *draft_logits_out;
-    int steps, ctx, seed_set, raw, cpu, ids_mode, think, chunk, quiet, kv_f32;
+    int steps, ctx, seed_set, raw, cpu, ids_mode, think, chunk, quiet, kv;
     int draft_max, compare, samples;
     int random_weights;               /* --random-weights SEED */
     unsigned long long random_seed;
@@ -1446,8 +1452,9 @@ static void usage(FILE *f) {
         "  --ids         the prompt is whitespace-separated token ids; print generated ids\n"
         "  --cpu         use the CPU even when a GPU is available\n"
         "  --chunk N     most tokens per forward pass (prefill chunk; default 64 on the CPU, 2048 on the GPU)\n"
-        "  --kv TYPE     GPU KV cache: bf16 (default for bf16 models) or f32 (2x the memory, exact attention\n"
-        "                inputs); the CPU always keeps fp32\n"
+        "  --kv TYPE     KV cache: bf16 (the GPU's default for bf16 models), f32 (GPU: 2x the memory, exact\n"
+        "                attention inputs) or fp8 (e4m3, half of bf16; the CPU rounds to it too); the CPU keeps\n"
+        "                fp32 otherwise\n"
         "  --tokenize TEXT        print the token ids of TEXT (no BOS) and exit\n"
         "  --score IDS_FILE       teacher-forced pass over the ids: mean NLL and perplexity of tokens 2..n\n"
         "  --logits OUT           with --score: write float32 logits [n][vocab] to OUT; while generating:\n"
@@ -1518,9 +1525,10 @@ static void parse_args(int argc, char **argv, Options *o) {
         else if (!strcmp(a, "--cpu")) o->cpu = 1;
         else if (!strcmp(a, "--kv")) {
             const char *v = NEXT();
-            if (!strcmp(v, "f32")) o->kv_f32 = 1;
-            else if (!strcmp(v, "bf16")) o->kv_f32 = 0;
-            else die("--kv takes bf16 or f32 (got '%s')", v);
+            if (!strcmp(v, "f32")) o->kv = KV_F32;
+            else if (!strcmp(v, "bf16")) o->kv = KV_BF16;
+            else if (!strcmp(v, "fp8")) o->kv = KV_FP8;
+            else die("--kv takes bf16, f32 or fp8 (got '%s')", v);
         }
         else if (!strcmp(a, "--chunk")) { o->chunk = (int)arg_int(a, NEXT()); if (o->chunk <= 0) die("--chunk must be > 0"); }
         else if (!strcmp(a, "--tokenize")) o->tokenize_text = NEXT();
@@ -1681,7 +1689,7 @@ int main(int argc, char **argv) {
     Engine eng = {&model, NULL};
     model.random_weights = o.random_weights;
     model.random_seed = o.random_seed;
-    model.kv_f32 = o.kv_f32;
+    model.kv = o.kv;   /* the target's cache only: the drafter keeps its ring in its weights' dtype */
     if (use_gpu) {
         eng.gpu = gpu_init(&model, ctx, max_tokens, err, sizeof err);   /* fills random weights itself */
         if (!eng.gpu) die("%s", err);

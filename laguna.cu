@@ -8,7 +8,8 @@
  * final norm, lm_head) and is checked against it by test/test_gpu.py.
  *
  * Precision: weights and the KV cache keep the file's dtype (bf16 for real and synthetic checkpoints; the
- * tiny f32 fixtures run entirely in fp32 so their bar stays tight). Accumulation and the residual stream are
+ * tiny f32 fixtures run entirely in fp32 so their bar stays tight); --kv f32 / fp8 choose the cache's type (fp8:
+ * OCP e4m3, scale 1, the values the CPU rounds to with --kv fp8). Accumulation and the residual stream are
  * fp32 everywhere. cuBLAS GEMMs on bf16 weights take bf16 activations (rounded from fp32).
  *
  * Two paths through the same steps:
@@ -21,18 +22,21 @@
  * dev/gpu_notes.md has the measurements behind these choices. */
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <type_traits>
 
 extern "C" {
 #include "laguna.h"
 }
 
 typedef __nv_bfloat16 bf16;
+typedef __nv_fp8_e4m3 fp8;   /* the --kv fp8 cache's element: OCP e4m3, fp8_e4m3_bits() in laguna.h on the host */
 
 /* ----------------------------------------------------------------------------
  * errors: every CUDA and cuBLAS call is checked; a failure after init is fatal */
@@ -95,6 +99,11 @@ __device__ __forceinline__ uint4 ld_stream(const void *p) {
                  : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
     return r;
 }
+__device__ __forceinline__ uint2 ld_stream8(const void *p) {   /* 8 bytes: 8 fp8 KV values */
+    uint2 r;
+    asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
+    return r;
+}
 __device__ __forceinline__ void to_f32x8(uint4 u, float f[8]) {
     const __nv_bfloat162 *h = (const __nv_bfloat162 *)&u;
 #pragma unroll
@@ -120,9 +129,24 @@ __device__ __forceinline__ float dot8(const float a[8], const float b[8]) {
 }
 __device__ __forceinline__ float to_f(float x) { return x; }
 __device__ __forceinline__ float to_f(bf16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_f(fp8 x) { return __half2float(__half(__nv_cvt_fp8_to_halfraw(x.__x, __NV_E4M3))); }
 template <typename T> __device__ __forceinline__ T from_f(float x);
 template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
 template <> __device__ __forceinline__ bf16 from_f<bf16>(float x) { return __float2bfloat16(x); }
+template <> __device__ __forceinline__ fp8 from_f<fp8>(float x) {   /* round to nearest even, saturate to +-448 */
+    fp8 r;
+    r.__x = __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3);
+    return r;
+}
+/* 4 e4m3 values (the bytes of w, lowest first) to floats: exact, through fp16 */
+__device__ __forceinline__ void fp8x4_to_f32(uint32_t w, float f[4]) {
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        float2 v = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w >> 16 * i), __NV_E4M3)));
+        f[2 * i] = v.x;
+        f[2 * i + 1] = v.y;
+    }
+}
 
 /* ---- weight formats ----
  * The weight kernels are templates over the format W of the rows they stream: bf16 or float (the file's dtype), or
@@ -513,6 +537,9 @@ __device__ __forceinline__ void key_range(int pos, int t_first, int t_last, int 
 /* Tensor-core flash attention (bf16 K/V, mma.sync m16n8k16, fp32 accumulators, online softmax).
  * WARPS warps x 16 query rows; tiles of 64 keys staged in shared memory with cp.async, double-buffered (the next
  * tile loads while this one is computed); the masks are applied only to tiles that cross a row's key window.
+ * An fp8 cache (KV = fp8) fills the same bf16 tiles: plain 8-byte loads widened to bf16 (exact), so everything
+ * after the load is the bf16 kernel's. The simplest correct variant: its loads are not asynchronous (the next
+ * tile's loads stall this one's compute); its speed has not been measured.
  * With one split (prefill) the kernel finishes the rows itself (normalise, softplus gate) and attention_combine
  * is skipped. */
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
@@ -540,10 +567,17 @@ __device__ __forceinline__ void cp_async16(void *smem, const void *g, bool valid
 }
 
 constexpr int flash_smem_bytes(int D) { return 4 * 64 * (D + 8) * (int)sizeof(bf16); }   /* K and V, two buffers each */
+/* 8 e4m3 values to 8 bf16 values, exactly (every e4m3 value is a bf16 value) */
+__device__ __forceinline__ uint4 fp8x8_to_bf16x8(uint2 w) {
+    float f[8];
+    fp8x4_to_f32(w.x, f);
+    fp8x4_to_f32(w.y, f + 4);
+    return make_uint4(pack_bf16(f[0], f[1]), pack_bf16(f[2], f[3]), pack_bf16(f[4], f[5]), pack_bf16(f[6], f[7]));
+}
 
-template <int D, int WARPS>
+template <typename KV, int D, int WARPS>
 __global__ void __launch_bounds__(WARPS * 32)
-attention_flash(const float *qkvg, int NQ, int n, int g, int nh, const bf16 *kc, const bf16 *vc, int rows,
+attention_flash(const float *qkvg, int NQ, int n, int g, int nh, const KV *kc, const KV *vc, int rows,
                 int KVD, const int *pos_ptr, int window, int causal, int nsplit, float *part_o, float2 *part_ml,
                 float scale_log2, float *att, int gate_off, int gate_per_head) {
     constexpr int BM = 16 * WARPS, BN = 64, LD = D + 8;   /* +8: conflict-free ldmatrix rows */
@@ -588,8 +622,15 @@ attention_flash(const float *qkvg, int NQ, int n, int g, int nh, const bf16 *kc,
             int key = c / (D / 8), ch = c % (D / 8), u = kt + key;
             bool valid = u < k_end;                                 /* beyond: zeros (no NaN from stale rows) */
             size_t off = valid ? (size_t)(u % rows) * KVD + (size_t)h * D + ch * 8 : 0;
-            cp_async16(&Ks[buf][key][ch * 8], kc + off, valid);
-            cp_async16(&Vs[buf][key][ch * 8], vc + off, valid);
+            if constexpr (std::is_same<KV, bf16>::value) {
+                cp_async16(&Ks[buf][key][ch * 8], kc + off, valid);
+                cp_async16(&Vs[buf][key][ch * 8], vc + off, valid);
+            } else {                                                /* fp8: 8 bytes, widened to bf16 */
+                static_assert(std::is_same<KV, fp8>::value, "attention_flash reads bf16 or fp8 caches");
+                const uint2 z = make_uint2(0, 0);
+                *(uint4 *)&Ks[buf][key][ch * 8] = fp8x8_to_bf16x8(valid ? *(const uint2 *)(kc + off) : z);
+                *(uint4 *)&Vs[buf][key][ch * 8] = fp8x8_to_bf16x8(valid ? *(const uint2 *)(vc + off) : z);
+            }
         }
         asm volatile("cp.async.commit_group;" ::: "memory");
     };
@@ -697,8 +738,8 @@ attention_flash(const float *qkvg, int NQ, int n, int g, int nh, const bf16 *kc,
     }
 }
 
-/* Plain fp32 attention (f32 caches: the tiny fixtures): one warp per (token, query head), lanes split the head
- * dims, online softmax key by key. Simple and slow; the bf16 path above is the fast one. */
+/* Plain fp32 attention (f32 caches, and any cache of an f32 file: the tiny fixtures): one warp per (token, query
+ * head), lanes split the head dims, online softmax key by key. Simple and slow; the bf16 path above is the fast one. */
 template <typename KV>
 __global__ void attention_scalar(const float *qkvg, int NQ, int n, int g, int nh, int D, const KV *kc,
                                  const KV *vc, int rows, int KVD, const int *pos_ptr, int window, int causal,
@@ -742,7 +783,7 @@ __device__ __forceinline__ void softmax_merge(float &m, float &l, float *o, int 
     m = M;
 }
 
-/* Decode attention with the q/k RMSNorm, RoPE and K/V append folded in (one query token; bf16 or f32 cache; g <= 8;
+/* Decode attention with the q/k RMSNorm, RoPE and K/V append folded in (one query token; bf16, f32 or fp8 cache; g <= 8;
  * D 16..128): grid (kv head, split), 256 threads; a split is a run of tiles of KT = 4096 / D keys (32 at D = 128).
  * Per tile each thread holds 2 chunks (8 dims each) of K and 2 of V in registers: K as 2 neighbouring chunks of one
  * key (CH / 2 lanes per key, so a score is a 3-step shuffle at D = 128), V as the same dim chunk of 2 keys.
@@ -753,9 +794,17 @@ __device__ __forceinline__ void softmax_merge(float &m, float &l, float *o, int 
  * - Per tile: scores to shared memory; per head the running max and sum (fixed shuffle trees); then p . V into
  *   per-thread accumulators. The next tile's loads are issued before the current one is computed.
  * - The last block of each kv head merges the splits in split order (deterministic) and applies the gate. */
-struct KV8 { uint4 a, b; };
+struct KV8 { uint4 a, b; };   /* 8 cache values in flight: fp8 uses a.x and a.y, bf16 a, f32 a and b */
+__device__ __forceinline__ KV8 kv_raw(const fp8 *p) {
+    uint2 w = ld_stream8(p);
+    KV8 r;
+    r.a = make_uint4(w.x, w.y, 0, 0);
+    r.b = make_uint4(0, 0, 0, 0);
+    return r;
+}
 __device__ __forceinline__ KV8 kv_raw(const bf16 *p) { KV8 r; r.a = ld_stream(p); r.b = make_uint4(0, 0, 0, 0); return r; }
 __device__ __forceinline__ KV8 kv_raw(const float *p) { KV8 r; r.a = ld_stream(p); r.b = ld_stream(p + 4); return r; }
+__device__ __forceinline__ void kv_unpack(const KV8 &r, const fp8 *, float f[8]) { fp8x4_to_f32(r.a.x, f); fp8x4_to_f32(r.a.y, f + 4); }
 __device__ __forceinline__ void kv_unpack(const KV8 &r, const bf16 *, float f[8]) { to_f32x8(r.a, f); }
 __device__ __forceinline__ void kv_unpack(const KV8 &r, const float *, float f[8]) { memcpy(f, &r.a, 16); memcpy(f + 4, &r.b, 16); }
 
@@ -1661,8 +1710,10 @@ static void moe_gemm_launch(int bm, const bf16 *A, const bf16 *W, int N, int K, 
 /* the grouped GEMMs and the double-buffered flash attention at head_dim 128 take more than the default 48 KB
  * of shared memory */
 static void prefill_kernels_setup() {
-    CUDA_CHECK(cudaFuncSetAttribute(attention_flash<128, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize, flash_smem_bytes(128)));
-    CUDA_CHECK(cudaFuncSetAttribute(attention_flash<128, 4>, cudaFuncAttributeMaxDynamicSharedMemorySize, flash_smem_bytes(128)));
+    CUDA_CHECK(cudaFuncSetAttribute(attention_flash<bf16, 128, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize, flash_smem_bytes(128)));
+    CUDA_CHECK(cudaFuncSetAttribute(attention_flash<bf16, 128, 4>, cudaFuncAttributeMaxDynamicSharedMemorySize, flash_smem_bytes(128)));
+    CUDA_CHECK(cudaFuncSetAttribute(attention_flash<fp8, 128, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize, flash_smem_bytes(128)));
+    CUDA_CHECK(cudaFuncSetAttribute(attention_flash<fp8, 128, 4>, cudaFuncAttributeMaxDynamicSharedMemorySize, flash_smem_bytes(128)));
     CUDA_CHECK(cudaFuncSetAttribute(moe_gemm<64, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, moe_gemm_smem<64>()));
     CUDA_CHECK(cudaFuncSetAttribute(moe_gemm<64, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, moe_gemm_smem<64>()));
     CUDA_CHECK(cudaFuncSetAttribute(moe_gemm<32, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, moe_gemm_smem<32>()));
@@ -1856,7 +1907,7 @@ struct GpuLayer {
     float *expert_bias;      /* [E] */
     void *experts_gate_up;   /* [E, 2I, H] */
     void *experts_down;      /* [E, H, I] */
-    void *kc, *vc;           /* KV cache [rows, KVD] (bf16 or f32, the weights' dtype) */
+    void *kc, *vc;           /* KV cache [rows, KVD] (GpuModel.kv: bf16, f32 or fp8) */
     int rows;                /* ctx (full) or a ring of W + max_tokens - 1 (sliding) */
     int nh, NQ, GD, dense, hid;  /* hid: F (dense) or S (shared) */
 };
@@ -1868,8 +1919,8 @@ struct GpuModel {
                                 embedding and of lm_head (quantized files: q8 / q4 as in the file); the router never is */
     void *wdq;               /* quantized files, n > 1: a matrix (or the active experts) dequantized for the GEMMs */
     int decode_split[2];     /* attention splits per layer type for one token (fixed: the graph is reused) */
-    int kv_bf;               /* KV cache in bf16 (the weights' dtype; --kv f32 keeps it in fp32) */
-    int attn_scalar;         /* LAGUNA_ATTN_SCALAR=1: the plain attention kernel on bf16 KV (a debug hook) */
+    int kv;                  /* the KV cache's type: KV_BF16, KV_F32 or KV_FP8 (--kv; default: the weights' dtype) */
+    int attn_scalar;         /* LAGUNA_ATTN_SCALAR=1: the plain attention kernel on a bf16 / fp8 cache (a debug hook) */
     int pdl;                 /* programmatic dependent launch for the decode kernels (LAGUNA_NO_PDL=1: off) */
     int pdl_now;             /* set while enqueueing a one-token forward */
     int fused_split[2];      /* attention_decode_fused splits per layer type */
@@ -1912,6 +1963,10 @@ struct GpuModel {
 };
 
 static size_t dsize(const GpuModel *g) { return g->bf ? 2 : 4; }
+static size_t kv_size(const GpuModel *g) { return g->kv == KV_FP8 ? 1 : g->kv == KV_BF16 ? 2 : 4; }
+static const char *kv_name(const GpuModel *g) { return g->kv == KV_FP8 ? "fp8" : g->kv == KV_BF16 ? "bf16" : "f32"; }
+/* X(T) with T the KV cache's element type: every kernel that touches the cache is dispatched through here */
+#define KV_SWITCH(g, X) do { if ((g)->kv == KV_BF16) { X(bf16); } else if ((g)->kv == KV_FP8) { X(fp8); } else { X(float); } } while (0)
 static cudaDataType_t dtype_of(const GpuModel *g) { return g->bf ? CUDA_R_16BF : CUDA_R_32F; }
 static int is_quant(int dt) { return dt == DT_Q8 || dt == DT_Q4; }
 static size_t group_bytes(int dt) { return dt == DT_Q8 ? LAGUNA_QGROUP : LAGUNA_QGROUP / 2; }
@@ -2131,7 +2186,9 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
     for (int l = 0; l < c->n_layers && is_quant(plain); l++)
         if (c->mlp_type[l] == MLP_SPARSE) plain = mw->layers[l].router.dtype;
     g->bf = plain != DT_F32;
-    g->kv_bf = g->bf && !m->kv_f32;
+    /* the target's --kv (a drafter's Model says KV_AUTO: its ring keeps its weights' dtype); bf16 on an f32 file
+     * stays f32 */
+    g->kv = m->kv == KV_F32 || m->kv == KV_FP8 ? m->kv : g->bf ? KV_BF16 : KV_F32;
     g->attn_scalar = getenv("LAGUNA_ATTN_SCALAR") != NULL;
     g->use_graph = !getenv("LAGUNA_NO_GRAPH");    /* for the test that graph replay equals plain launches */
     g->pdl = !getenv("LAGUNA_NO_PDL");
@@ -2199,7 +2256,7 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
 
     /* KV cache: one allocation, zeroed (no NaN in rows not yet written) */
     size_t kv = 0;
-    size_t kvs = g->kv_bf ? 2 : 4;
+    size_t kvs = kv_size(g);
     for (int l = 0; l < c->n_layers; l++) kv += (size_t)g->L[l].rows * KVD * 2 * kvs;
     g->kvbytes = kv;
     if (cudaMalloc(&g->kvbuf, kv) != cudaSuccess) {
@@ -2300,10 +2357,10 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
     CUDA_CHECK(cudaDeviceSynchronize());
     size_t fr, tot;
     CUDA_CHECK(cudaMemGetInfo(&fr, &tot));
-    snprintf(g->summary, sizeof g->summary, "weights %.2f GiB (%s), KV cache %.2f GiB (%d positions), "
+    snprintf(g->summary, sizeof g->summary, "weights %.2f GiB (%s), KV cache %.2f GiB (%s, %d positions), "
              "activations %.2f GiB, GPU memory in use %.1f of %.1f GiB",
              g->wbytes / 1073741824.0, g->wdt == DT_Q8 ? "q8" : g->wdt == DT_Q4 ? "q4" : g->bf ? "bf16" : "f32",
-             g->kvbytes / 1073741824.0, ctx,
+             g->kvbytes / 1073741824.0, kv_name(g), ctx,
              g->actbytes / 1073741824.0, (tot - fr) / 1073741824.0, tot / 1073741824.0);
     return g;
 }
@@ -2438,29 +2495,32 @@ static void attention(GpuModel *g, int l, int n, int pos) {
         (const float *)L->k_norm, (const float *)g->inv_freq[t], c->rotary_dim[t], c->rope_scaling[t], c->norm_eps, \
         g->part_o, g->part_ml, g->counters + 1, g->att, gate_off, c->gate_per_head, scale_log2)
 #define FUSED_D(KV) switch (D) { case 16: FUSED(KV, 16); break; case 32: FUSED(KV, 32); break; case 64: FUSED(KV, 64); break; default: FUSED(KV, 128); }
-        if (g->kv_bf) FUSED_D(bf16) else FUSED_D(float)
+        KV_SWITCH(g, FUSED_D);
 #undef FUSED_D
 #undef FUSED
         return;
     }
-    if (!g->kv_bf) {
-        attention_scalar<float><<<dim3(n, L->nh), 32, 0, g->stream>>>(g->qkvg, L->NQ, n, gq, L->nh, D,
-            (const float *)L->kc, (const float *)L->vc, L->rows, c->kv_dim, pos_ptr, window, c->causal, g->part_o, g->part_ml,
-            scale_log2);
-    } else if (g->attn_scalar) {
-        attention_scalar<bf16><<<dim3(n, L->nh), 32, 0, g->stream>>>(g->qkvg, L->NQ, n, gq, L->nh, D,
-            (const bf16 *)L->kc, (const bf16 *)L->vc, L->rows, c->kv_dim, pos_ptr, window, c->causal, g->part_o, g->part_ml,
-            scale_log2);
+    /* the flash kernel rounds q and p to bf16: it serves bf16 files with a bf16 or fp8 cache; an f32 cache, any cache
+     * of an f32 file (fp32 math, the fixtures' tight bar) and the LAGUNA_ATTN_SCALAR hook take the scalar kernel */
+    if (g->kv == KV_F32 || !g->bf || g->attn_scalar) {
+#define SCALAR(KV) attention_scalar<KV><<<dim3(n, L->nh), 32, 0, g->stream>>>(g->qkvg, L->NQ, n, gq, L->nh, D, \
+            (const KV *)L->kc, (const KV *)L->vc, L->rows, c->kv_dim, pos_ptr, window, c->causal, g->part_o, g->part_ml, \
+            scale_log2)
+        KV_SWITCH(g, SCALAR);
+#undef SCALAR
     } else {
         int warps = n * gq <= 16 ? 1 : 4, rb = (n * gq + 16 * warps - 1) / (16 * warps);
         if (n == 1) nsplit = g->decode_split[c->layer_type[l]];
         else nsplit = split_for(g, sliding ? window + n - 1 : pos + n, rb, n);
         dim3 grid(rb, nkv, nsplit);
-#define FLASH(DD, WW) attention_flash<DD, WW><<<grid, WW * 32, flash_smem_bytes(DD), g->stream>>>(g->qkvg, L->NQ, n, gq, L->nh, \
-        (const bf16 *)L->kc, (const bf16 *)L->vc, L->rows, c->kv_dim, pos_ptr, window, c->causal, nsplit, g->part_o, g->part_ml, \
-        scale_log2, g->att, c->gated ? L->nh * D + 2 * c->kv_dim : -1, c->gate_per_head)
-        if (warps == 1) { switch (D) { case 16: FLASH(16, 1); break; case 32: FLASH(32, 1); break; case 64: FLASH(64, 1); break; default: FLASH(128, 1); } }
-        else { switch (D) { case 16: FLASH(16, 4); break; case 32: FLASH(32, 4); break; case 64: FLASH(64, 4); break; default: FLASH(128, 4); } }
+#define FLASH(KV, DD, WW) attention_flash<KV, DD, WW><<<grid, WW * 32, flash_smem_bytes(DD), g->stream>>>(g->qkvg, L->NQ, n, \
+        gq, L->nh, (const KV *)L->kc, (const KV *)L->vc, L->rows, c->kv_dim, pos_ptr, window, c->causal, nsplit, g->part_o, \
+        g->part_ml, scale_log2, g->att, c->gated ? L->nh * D + 2 * c->kv_dim : -1, c->gate_per_head)
+#define FLASH_W(KV) \
+        if (warps == 1) { switch (D) { case 16: FLASH(KV, 16, 1); break; case 32: FLASH(KV, 32, 1); break; case 64: FLASH(KV, 64, 1); break; default: FLASH(KV, 128, 1); } } \
+        else { switch (D) { case 16: FLASH(KV, 16, 4); break; case 32: FLASH(KV, 32, 4); break; case 64: FLASH(KV, 64, 4); break; default: FLASH(KV, 128, 4); } }
+        if (g->kv == KV_FP8) { FLASH_W(fp8) } else { FLASH_W(bf16) }
+#undef FLASH_W
 #undef FLASH
         LAUNCH_CHECK();
         if (nsplit == 1) return;                    /* the flash kernel finished the rows */
@@ -2680,9 +2740,7 @@ static void forward_gpu(GpuModel *g, int n, int pos, int all_logits) {
 #define QKR(KV) launch(g, qk_norm_rope_kernel<KV>, rg, dim3(128), 0, g->qkvg, L->NQ, L->nh, c->n_kv_heads, D, \
         (const float *)L->q_norm, (const float *)L->k_norm, (const float *)g->inv_freq[type], c->rotary_dim[type], \
         c->rope_scaling[type], (KV *)L->kc, (KV *)L->vc, L->rows, (const int *)g->pos, c->norm_eps)
-        if (fused_decode_attention(g, l, n)) {}     /* done inside the attention kernel */
-        else if (g->kv_bf) QKR(bf16);
-        else QKR(float);
+        if (!fused_decode_attention(g, l, n)) KV_SWITCH(g, QKR);     /* else: done inside the attention kernel */
 #undef QKR
         attention(g, l, n, pos);
         /* o_proj straight into the residual stream */
@@ -2915,14 +2973,11 @@ extern "C" void gpu_drafter_add_context(GpuModel *g, GpuModel *target, int row0,
             gemm(g, g->qkvg + QD, L->NQ, (const char *)L->wqkvg + (size_t)QD * H * dsize(g), 2 * KVD, H, g->xb, k, 0.0f);
             /* k_norm, RoPE at the absolute positions and the ring append: the q/k-norm kernel with no query heads */
             dim3 rg(k, (2 * nkv + 3) / 4);
-            if (g->kv_bf)
-                qk_norm_rope_kernel<bf16><<<rg, 128, 0, g->stream>>>(g->qkvg + QD, L->NQ, 0, nkv, D, L->q_norm, L->k_norm,
-                    g->inv_freq[type], c->rotary_dim[type], c->rope_scaling[type], (bf16 *)L->kc, (bf16 *)L->vc, L->rows,
-                    g->pos, c->norm_eps);
-            else
-                qk_norm_rope_kernel<float><<<rg, 128, 0, g->stream>>>(g->qkvg + QD, L->NQ, 0, nkv, D, L->q_norm, L->k_norm,
-                    g->inv_freq[type], c->rotary_dim[type], c->rope_scaling[type], (float *)L->kc, (float *)L->vc, L->rows,
-                    g->pos, c->norm_eps);
+#define QKR(KV) qk_norm_rope_kernel<KV><<<rg, 128, 0, g->stream>>>(g->qkvg + QD, L->NQ, 0, nkv, D, L->q_norm, L->k_norm, \
+                g->inv_freq[type], c->rotary_dim[type], c->rope_scaling[type], (KV *)L->kc, (KV *)L->vc, L->rows, g->pos, \
+                c->norm_eps)
+            KV_SWITCH(g, QKR);   /* the drafter's ring: its weights' dtype */
+#undef QKR
             LAUNCH_CHECK();
         }
         /* h_step->pos is rewritten for the next chunk, and the target's next forward rewrites the taps */

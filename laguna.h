@@ -174,8 +174,13 @@ typedef struct {
      * identically on the CPU (laguna.c) and the GPU (laguna.cu); for benchmarks on sparse synthetic files */
     int random_weights;
     uint64_t random_seed;
-    int kv_f32;              /* GPU: keep the KV cache in fp32 (--kv f32); the default is the weights' dtype */
+    int kv;                  /* --kv: KV_AUTO (the weights' dtype on the GPU), KV_BF16, KV_F32 or KV_FP8 */
 } Model;
+
+/* The KV cache's element type (--kv). The GPU stores it; the CPU always stores fp32, and with KV_FP8 rounds each K
+ * and V element to e4m3 as it is appended, so both backends attend over the same values. KV_BF16 on an f32 file
+ * keeps the cache in f32, as KV_AUTO does. */
+enum { KV_AUTO = 0, KV_BF16 = 1, KV_F32 = 2, KV_FP8 = 3 };
 
 /* laguna.c */
 int load_model(Model *m, const char *path, int kind, char *err, size_t errsz);
@@ -281,6 +286,37 @@ static inline LAGUNA_HD void random_qgroup(int dtype, uint64_t seed, uint64_t ke
     else
         for (int i = 0; i < 16; i++) vals[i] = (uint8_t)((int)w[2 * i] | (int)w[2 * i + 1] << 4);
 }
+/* OCP FP8 E4M3 ("e4m3fn", the --kv fp8 cache): 1 sign bit, 4 exponent bits (bias 7), 3 mantissa bits; no
+ * infinities, 0x7F / 0xFF are NaN, the largest finite value is 448 and the subnormals are m * 2^-9 (m = 1..7).
+ * fp32 -> e4m3 rounds to nearest even and saturates to +-448, infinities included; NaN stays NaN: CUDA's
+ * __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3). Scale 1 (no per-tensor scale). Every e4m3 value is exactly
+ * a bf16 (and an fp16) value. */
+static inline LAGUNA_HD uint8_t fp8_e4m3_bits(float f) {
+    union { float f; uint32_t u; } b;
+    b.f = f;
+    uint32_t sign = (b.u >> 24) & 0x80u, u = b.u & 0x7FFFFFFFu, e = u >> 23, m = (u & 0x7FFFFFu) | 0x800000u;
+    if (u > 0x7F800000u) return (uint8_t)(sign | 0x7Fu);                     /* nan */
+    if (e > 135) return (uint8_t)(sign | 0x7Eu);                              /* >= 512, inf: saturate to 448 */
+    uint32_t shift, h;
+    if (e >= 121) { shift = 20; h = ((e - 120) << 3) | ((m >> 20) & 7u); }   /* normal: 2^-6 .. 2^8 */
+    else if (e >= 117) { shift = 141 - e; h = m >> shift; }                  /* subnormal: units of 2^-9 */
+    else return (uint8_t)sign;                                               /* below half of 2^-9: zero */
+    uint32_t rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
+    if (rem > half || (rem == half && (h & 1))) h++;                         /* a carry may reach the exponent */
+    return (uint8_t)(sign | (h > 0x7Eu ? 0x7Eu : h));                        /* past 448 (0x7F is nan): 448 */
+}
+static inline LAGUNA_HD float fp8_e4m3_value(uint8_t x) {
+    uint32_t e = (x >> 3) & 0xFu, m = x & 7u;
+    union { uint32_t u; float f; } b;
+    if (e == 15 && m == 7) b.u = 0x7FC00000u;                                /* nan */
+    else if (e == 0) b.f = (float)m * (1.0f / 512.0f);                       /* subnormal: m * 2^-9 */
+    else b.u = ((e + 120) << 23) | (m << 20);
+    if (x & 0x80) b.u ^= 0x80000000u;
+    return b.f;
+}
+/* the nearest e4m3 value of f, as a float (what an fp8 KV cache holds) */
+static inline LAGUNA_HD float fp8_e4m3_round(float f) { return fp8_e4m3_value(fp8_e4m3_bits(f)); }
+
 static inline uint64_t name_key(const char *s) {
     uint64_t h = 0xcbf29ce484222325ull;
     for (; *s; s++) h = (h ^ (unsigned char)*s) * 0x100000001b3ull;

@@ -277,9 +277,9 @@ static void attn_case(const char *name, int n, int pos, int nh, int nkv, int win
     const int warps = n * g <= 16 ? 1 : 4, rb = (n * g + 16 * warps - 1) / (16 * warps);
     auto flash = [&](int nsplit, float *out) {
         dim3 grid(rb, nkv, nsplit);
-        if (warps == 1) attention_flash<128, 1><<<grid, 32, flash_smem_bytes(128), s>>>(qkvg, NQ, n, g, nh, kc, vc, rows, KVD,
+        if (warps == 1) attention_flash<bf16, 128, 1><<<grid, 32, flash_smem_bytes(128), s>>>(qkvg, NQ, n, g, nh, kc, vc, rows, KVD,
             pos_d, window, nsplit, part_o, part_ml, scale_log2, out, gate_off, 1);
-        else attention_flash<128, 4><<<grid, 128, flash_smem_bytes(128), s>>>(qkvg, NQ, n, g, nh, kc, vc, rows, KVD,
+        else attention_flash<bf16, 128, 4><<<grid, 128, flash_smem_bytes(128), s>>>(qkvg, NQ, n, g, nh, kc, vc, rows, KVD,
             pos_d, window, nsplit, part_o, part_ml, scale_log2, out, gate_off, 1);
         LAUNCH_CHECK();
         if (nsplit > 1) {

@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Quality of the quantized formats: perplexity, KL divergence and top-1 agreement against the unquantized file.
 
-    python3 dev/quant_quality.py MODEL HELDOUT.json [--files N] [--window 512]
+    python3 dev/quant_quality.py MODEL HELDOUT.json [--files N] [--window 512] [--kv fp8]
+
+With --kv fp8 the comparison is the unquantized file with an fp8 KV cache (`laguna --kv fp8`) instead of q8 / q4.
 
 Exports MODEL (a checkpoint directory or an exported .bin) as is, q8 and q4 with export.py, scores the held-out token ids (a JSON with
 "files": [{"ids": "1 2 3 ..."}], as dev/tiny writes) with `laguna --score --logits`, and compares the logits of
@@ -20,12 +22,12 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def score(laguna, model, ids, tmp):
+def score(laguna, model, ids, tmp, extra=()):
     p = os.path.join(tmp, "ids.txt")
     with open(p, "w") as f:
         f.write(" ".join(map(str, ids)))
     lg = os.path.join(tmp, "logits.bin")
-    subprocess.run([laguna, model, "--score", p, "--logits", lg, "-q"], check=True, capture_output=True)
+    subprocess.run([laguna, model, "--score", p, "--logits", lg, "-q", *extra], check=True, capture_output=True)
     return np.fromfile(lg, dtype=np.float32).reshape(len(ids), -1)
 
 
@@ -43,16 +45,19 @@ def main():
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--max-tokens", type=int, default=0, help="stop after scoring about this many tokens (0: all)")
     ap.add_argument("--laguna", default=os.path.join(ROOT, "laguna"))
+    ap.add_argument("--kv", choices=["fp8"], help="compare an fp8 KV cache (on the unquantized file) instead of q8/q4")
     a = ap.parse_args()
     files = json.load(open(a.heldout))["files"]
     if a.files:
         files = files[:a.files]
     with tempfile.TemporaryDirectory() as tmp:
-        models = {}
-        for dt in ("auto", "q8", "q4"):
+        models, extra = {}, {}
+        for dt in ("auto",) if a.kv else ("auto", "q8", "q4"):
             models[dt] = os.path.join(tmp, f"m_{dt}.bin")
             subprocess.run([sys.executable, os.path.join(ROOT, "export.py"), "-q", a.model, models[dt],
                             "--dtype", dt], check=True)
+        if a.kv:
+            models["kv " + a.kv], extra["kv " + a.kv] = models["auto"], ("--kv", a.kv)
         acc = {dt: dict(nll=0.0, kl=0.0, top1=0, n=0) for dt in models}
         for f in files:
             seq = [2] + [int(x) for x in f["ids"].split()]
@@ -67,7 +72,7 @@ def main():
                 ref = log_softmax(score(a.laguna, models["auto"], win, tmp)[:-1])
                 tgt = np.array(win[1:])
                 for dt, path in models.items():
-                    lp = ref if dt == "auto" else log_softmax(score(a.laguna, path, win, tmp)[:-1])
+                    lp = ref if dt == "auto" else log_softmax(score(a.laguna, path, win, tmp, extra.get(dt, ()))[:-1])
                     r = acc[dt]
                     r["nll"] += float(-lp[np.arange(len(tgt)), tgt].sum())
                     r["kl"] += float((np.exp(ref) * (ref - lp)).sum())

@@ -181,6 +181,125 @@ def test_gpu_mid_size_random_model(laguna_gpu, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
+# --kv fp8 (an OCP e4m3 KV cache, scale 1: half of bf16). The GPU rounds each K/V element to e4m3 as the CPU does with
+# --kv fp8 (test_kv_fp8.py), so on the f32 fixtures (f32 weights; the decode kernel and the scalar kernel do fp32 math
+# over the fp8 values) the bar against the CPU's fp8 forward is the fp32 one. One caveat, measured on the CPU: an
+# element within fp32 rounding of an e4m3 midpoint may round either way on either backend, one e4m3 step (1/8-1/16
+# of it) apart; on `long` a 4-ulp perturbation of K/V before the rounding moved 16 rows (963..978) by up to 3.3e-3
+# (4.1e-5 without fp8; xs2_f32 and variant: 0). Such a fixture reports its rows and xfails. `pytest -k fp8` runs
+# these alone.
+FP8_MIDPOINT = "a K/V element on an e4m3 rounding midpoint rounds differently on the GPU (fp32 differences of ~1e-7)"
+
+
+@pytest.mark.parametrize("name", ["xs2_f32", "variant", "long"])
+def test_gpu_kv_fp8_matches_cpu_fp8(laguna_gpu, exported, name, tmp_path):
+    m, ids = exported(name), fx(name, "score.txt")
+    cpu, _ = score(laguna_gpu, m, ids, tmp_path, "--cpu", "--kv", "fp8")
+    f32, _ = score(laguna_gpu, m, ids, tmp_path, "--cpu")
+    worst, rows = 0.0, 0
+    for label, extra in (("one pass", ()), ("--chunk 1", ("--chunk", "1")), ("--chunk 7", ("--chunk", "7"))):
+        gpu, _ = score(laguna_gpu, m, ids, tmp_path, "--kv", "fp8", *extra)
+        rd = np.abs(gpu - cpu).max(1)
+        print(f"\n[gpu fp8] {name} {label}: max |GPU - CPU| (both --kv fp8) = {rd.max():.3g} (bar {TOL_F32}), "
+              f"{int((rd > TOL_F32).sum())} rows above; |GPU - CPU with an fp32 cache| = {np.abs(gpu - f32).max():.3g}",
+              end="")
+        worst, rows = max(worst, float(rd.max())), max(rows, int((rd > TOL_F32).sum()))
+    if name == "long" and worst > TOL_F32 and rows <= 64:
+        pytest.xfail(FP8_MIDPOINT)
+    assert worst <= TOL_F32
+
+
+@pytest.mark.parametrize("name", ["xs2_f32", "variant"])
+def test_gpu_kv_fp8_greedy_identical_to_cpu(laguna_gpu, exported, name):
+    """greedy with an fp8 cache: the graph decode == plain launches == the CPU's --kv fp8"""
+    prompt = open(fx(name, "prompt.txt")).read().strip()
+    args = [laguna_gpu, exported(name), "--ids", prompt, "-t", "0", "-n", "40", "-q", "--kv", "fp8"]
+    gpu = run(args).stdout.split()
+    plain = run(args, env=dict(os.environ, LAGUNA_NO_GRAPH="1")).stdout.split()
+    cpu = run(args + ["--cpu"]).stdout.split()
+    print(f"\n[gpu fp8] {name}: greedy 40 tokens, GPU == CPU {gpu == cpu}, graph == plain launches {gpu == plain}")
+    assert len(gpu) == 40 and gpu == cpu and gpu == plain
+
+
+def test_gpu_kv_fp8_dflash_lossless(laguna_gpu, exported):
+    """the target's cache in fp8, the drafter's ring in its own dtype: greedy with the drafter == without == CPU"""
+    target, drafter = exported("xs2_f32"), exported("draft_xs2")
+    prompt = " ".join(score_ids("xs2_f32")[:9])
+    cpu = greedy(laguna_gpu, target, prompt, "-n", "45", "--kv", "fp8", "--cpu")
+    plain = greedy(laguna_gpu, target, prompt, "-n", "45", "--kv", "fp8")
+    got = greedy(laguna_gpu, target, prompt, "-n", "45", "--kv", "fp8", "-d", drafter)
+    print(f"\n[gpu fp8] xs2 DFlash greedy: with the drafter == without {got == plain}, == CPU {plain == cpu}")
+    assert got == plain == cpu
+
+
+def test_gpu_kv_fp8_bf16_file(laguna_gpu, exported, tmp_path):
+    """bf16 weights, fp8 cache: --chunk 1 (the fused decode kernel, fp32 math) and one pass (the tensor-core flash
+    attention reading fp8 tiles; bf16 GEMM inputs) against the CPU's --kv fp8; the bf16 bar, xfailed past it like the
+    other bf16 checks"""
+    m, ids = exported("xs21_bf16"), fx("xs21_bf16", "score.txt")
+    cpu, _ = score(laguna_gpu, m, ids, tmp_path, "--cpu", "--kv", "fp8")
+    worst = 0.0
+    for label, extra in (("--chunk 1", ("--chunk", "1")), ("one pass", ())):
+        gpu, _ = score(laguna_gpu, m, ids, tmp_path, "--kv", "fp8", *extra)
+        d = float(np.abs(gpu - cpu).max())
+        print(f"\n[gpu fp8] xs21_bf16 {label}: max |GPU - CPU| (both --kv fp8) = {d:.3g} (bar {TOL_BF16}), top-1 "
+              f"agreement {100 * float((gpu.argmax(1) == cpu.argmax(1)).mean()):.2f}%", end="")
+        worst = max(worst, d)
+    if worst > TOL_BF16:
+        pytest.xfail("bf16 GEMM-input rounding / e4m3 midpoints flip MoE routes (dev/gpu_notes.md)")
+
+
+@pytest.fixture(scope="module")
+def mid_model(tmp_path_factory):
+    mid = str(tmp_path_factory.mktemp("mid") / "mid.bin")
+    run([sys.executable, os.path.join(ROOT, "export.py"), "-q", "--synthetic", "XS-2.1", "--layers", "4", mid])
+    return mid
+
+
+def test_gpu_kv_fp8_halves_the_cache(laguna_gpu, mid_model):
+    """the load line: the fp8 cache is half the bf16 one and a quarter of f32 (131,072 positions, XS-2.1 widths)"""
+    gib = {}
+    for kv in ("bf16", "fp8", "f32"):
+        r = run([laguna_gpu, mid_model, "--random-weights", "1", "-c", "131072", "--ids", "5 6 7", "-t", "0", "-n", "2",
+                 "--kv", kv])
+        line = [l for l in r.stderr.splitlines() if l.startswith("gpu:")][0]
+        assert f"({kv}, 131072 positions)" in line, line
+        gib[kv] = float(line.split("KV cache ")[1].split(" GiB")[0])
+    print(f"\n[gpu fp8] KV cache GiB at 131072 positions: {gib}")
+    assert abs(gib["fp8"] / gib["bf16"] - 0.5) < 0.03 and abs(gib["f32"] / gib["bf16"] - 2.0) < 0.06
+
+
+def test_gpu_kv_fp8_mid_size(laguna_gpu, mid_model, tmp_path):
+    """head_dim 128 (the real widths, random weights, 1,024 tokens: two trips around the sliding ring): the fused
+    decode attention (--chunk 1) against the CPU's fp8 forward, and the tensor-core flash attention reading fp8 tiles
+    (one pass) against the scalar kernel on the same cache (LAGUNA_ATTN_SCALAR=1), next to the same flash-vs-scalar
+    difference on a bf16 cache (what rounding q and p to bf16 costs). Route flips of the random router move a few rows
+    by O(1), so the bars are on the median row."""
+    n = 1024
+    ids = np.random.default_rng(1).integers(3, 100352, size=n)
+    ids_file = tmp_path / "ids.txt"
+    ids_file.write_text(" ".join(map(str, ids)))
+    common = ("--random-weights", "1", "-c", "4096")
+    scalar = dict(os.environ, LAGUNA_ATTN_SCALAR="1")
+    cpu, _ = score(laguna_gpu, mid_model, str(ids_file), tmp_path, *common, "--kv", "fp8", "--cpu", "--chunk", "256")
+    dec, _ = score(laguna_gpu, mid_model, str(ids_file), tmp_path, *common, "--kv", "fp8", "--chunk", "1")
+    fl8, _ = score(laguna_gpu, mid_model, str(ids_file), tmp_path, *common, "--kv", "fp8")
+    sc8, _ = score(laguna_gpu, mid_model, str(ids_file), tmp_path, *common, "--kv", "fp8", env=scalar)
+    fl16, _ = score(laguna_gpu, mid_model, str(ids_file), tmp_path, *common, "--kv", "bf16")
+    sc16, _ = score(laguna_gpu, mid_model, str(ids_file), tmp_path, *common, "--kv", "bf16", env=scalar)
+
+    def stats(a, b):
+        rd = np.abs(a - b).max(1)
+        return float(np.median(rd)), float(rd.max()), float((a.argmax(1) == b.argmax(1)).mean())
+    s_dec, s8, s16 = stats(dec, cpu), stats(fl8, sc8), stats(fl16, sc16)
+    for label, (med, mx, agree) in (("decode kernels vs CPU, fp8", s_dec), ("flash vs scalar, fp8 cache", s8),
+                                    ("flash vs scalar, bf16 cache", s16)):
+        print(f"\n[gpu fp8] mid-size {label}: median row max |diff| {med:.3g}, max {mx:.3g}, top-1 agreement "
+              f"{100 * agree:.2f}% (logit std {cpu.std():.3g})", end="")
+    assert s_dec[0] <= 1e-3
+    assert s8[0] <= 2 * s16[0] + 1e-3
+
+# ---------------------------------------------------------------------------------------------
 # DFlash on the GPU (issue #5): laguna.c's one loop, with the taps, the drafter, the context and the verify on the
 # device. The f32 fixtures run fully in fp32 on the GPU, so their bar is the CPU's: identical greedy tokens and
 # 1e-4 on taps and draft logits. `pytest -k dflash` runs these alone.

@@ -245,7 +245,7 @@ def test_prompt_longer_than_context(laguna, exported):
 def test_bad_flags(laguna, exported):
     expect_error([laguna, exported("xs2_f32"), "--bogus"], "unknown option --bogus")
     expect_error([laguna, exported("xs2_f32"), "-n"], "-n needs a value")
-    expect_error([laguna, exported("xs2_f32"), "--kv", "fp16", "x"], "--kv takes bf16 or f32")
+    expect_error([laguna, exported("xs2_f32"), "--kv", "fp16", "x"], "--kv takes bf16, f32 or fp8")
     r = run([laguna, "--help"])
     for flag in ("-n", "-t", "-p", "-s", "-c", "-i", "--raw", "--cpu", "--tokenize", "--score", "--logits",
                  "-m", "--think", "-y", "--kv"):
