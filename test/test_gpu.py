@@ -199,14 +199,12 @@ def test_gpu_kv_fp8_matches_cpu_fp8(laguna_gpu, exported, name, tmp_path):
     m, ids = exported(name), fx(name, "score.txt")
     cpu, _ = score(laguna_gpu, m, ids, tmp_path, "--cpu", "--kv", "fp8")
     f32, _ = score(laguna_gpu, m, ids, tmp_path, "--cpu")
-    worst, rows = 0.0, 0
     for label, extra in (("one pass", ()), ("--chunk 1", ("--chunk", "1")), ("--chunk 7", ("--chunk", "7"))):
         gpu, _ = score(laguna_gpu, m, ids, tmp_path, "--kv", "fp8", *extra)
         rd = np.abs(gpu - cpu).max(1)
-        print(f"\n[gpu fp8] {name} {label}: max |GPU - CPU| (both --kv fp8) = {rd.max():.3g} (bar {TOL_F32}), "
-              f"{int((rd > TOL_F32).sum())} rows above; |GPU - CPU with an fp32 cache| = {np.abs(gpu - f32).max():.3g}",
-              end="")
-        worst, rows = max(worst, float(rd.max())), max(rows, int((rd > TOL_F32).sum()))
+        print(f"\n[gpu fp8] {name} {label}: max |GPU - CPU| (both --kv fp8) = {rd.max():.3g} "
+              f"({int((rd > TOL_F32).sum())} rows above {TOL_F32}); |GPU - CPU with an fp32 cache| = "
+              f"{np.abs(gpu - f32).max():.3g}", end="")
         assert rd.max() <= 0.5 * np.abs(gpu - f32).max()       # the fp8 cache's logits, not the fp32 cache's
 
 
