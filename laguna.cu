@@ -770,19 +770,6 @@ __global__ void attention_scalar(const float *qkvg, int NQ, int n, int g, int nh
     if (lane == 0) part_ml[idx] = make_float2(m, l);
 }
 
-/* helpers of the decode attention below */
-__device__ __forceinline__ void load_kv8(const bf16 *p, float f[8]) { to_f32x8(*(const uint4 *)p, f); }
-__device__ __forceinline__ void load_kv8(const float *p, float f[8]) { load_x8(p, f); }
-
-/* merge the online-softmax state (m, l, o) of another part into this one */
-__device__ __forceinline__ void softmax_merge(float &m, float &l, float *o, int n, float om, float ol, const float *oo) {
-    float M = fmaxf(m, om);
-    float a = m == -INFINITY ? 0.0f : exp2f(m - M), b = om == -INFINITY ? 0.0f : exp2f(om - M);
-    l = l * a + ol * b;
-    for (int i = 0; i < n; i++) o[i] = o[i] * a + oo[i] * b;
-    m = M;
-}
-
 /* Decode attention with the q/k RMSNorm, RoPE and K/V append folded in (one query token; bf16, f32 or fp8 cache; g <= 8;
  * D 16..128): grid (kv head, split), 256 threads; a split is a run of tiles of KT = 4096 / D keys (32 at D = 128).
  * Per tile each thread holds 2 chunks (8 dims each) of K and 2 of V in registers: K as 2 neighbouring chunks of one
@@ -2807,7 +2794,7 @@ extern "C" float *gpu_forward(GpuModel *g, const int *tokens, int n, int pos, in
  * parameters' upload, ~290 kernels (7 per MoE layer), the sampler, the token's download) is one CUDA graph,
  * captured at init; the token and position live in device memory, so the same graph serves every position.
  * A graph rather than a persistent kernel: the kernels stay small and separately testable, and replay removes
- * the launch gaps. */
+ * the launch gaps; a persistent kernel for the whole step was built and measured slower (dev/gpu_notes.md). */
 static void enqueue_decode(GpuModel *g) {
     CUDA_CHECK(cudaMemcpyAsync(g->d_step, g->h_step, sizeof(Step), cudaMemcpyHostToDevice, g->stream));
     CUDA_CHECK(cudaMemcpyAsync(g->tokens, &g->d_step->token, sizeof(int), cudaMemcpyDeviceToDevice, g->stream));
