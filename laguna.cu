@@ -774,13 +774,15 @@ __global__ void attention_scalar(const float *qkvg, int NQ, int n, int g, int nh
  * D 16..128): grid (kv head, split), 256 threads; a split is a run of tiles of KT = 4096 / D keys (32 at D = 128).
  * Per tile each thread holds 2 chunks (8 dims each) of K and 2 of V in registers: K as 2 neighbouring chunks of one
  * key (CH / 2 lanes per key, so a score is a 3-step shuffle at D = 128), V as the same dim chunk of 2 keys.
- * - The first tile's cache rows are loaded before the wait on the q/k/v/g matvec: only the new key's row is
- *   written this step, and it comes from shared memory instead (pos itself is written before the step's kernels).
+ * - Splits past the context's keys exit at once (the grid is sized for the whole window; the active ones count).
+ * - The first tile's cache rows and RoPE's angles are taken before the wait on the q/k/v/g matvec: only the new
+ *   key's row is written this step, and it comes from shared memory instead (pos itself is written before the
+ *   step's kernels).
  * - After the wait each block norms and ropes its group's q heads and the new k (v as is) into shared memory; the
  *   block that owns the new key writes it to the cache (rounded to the cache type, as used here).
  * - Per tile: scores to shared memory; per head the running max and sum (fixed shuffle trees); then p . V into
  *   per-thread accumulators. The next tile's loads are issued before the current one is computed.
- * - The last block of each kv head merges the splits in split order (deterministic) and applies the gate. */
+ * - The last active block of each kv head merges the splits in split order (deterministic) and applies the gate. */
 struct KV8 { uint4 a, b; };   /* 8 cache values in flight: fp8 uses a.x and a.y, bf16 a, f32 a and b */
 __device__ __forceinline__ KV8 kv_raw(const fp8 *p) {
     uint2 w = ld_stream8(p);
@@ -827,17 +829,18 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
     const int pos = *pos_ptr, kmin = window ? max(0, pos - window + 1) : 0, keys = pos - kmin + 1;
     const int per = ((keys + nsplit - 1) / nsplit + KT - 1) / KT * KT, nact = (keys + per - 1) / per;
     const int kb = kmin + split * per, ke = min(pos + 1, kb + per);
+    if (split >= nact) return;                          /* no keys here (the grid is sized for the whole context) */
     KV8 kr[2], vr[2];
     kv_tile_load<KV, D>(kc, vc, rows, KVD, kvh, kb, ke, pos, kr, vr);    /* before the wait: older rows only */
-    griddep_wait();                                     /* q/k/v/g come from the matvec */
-    griddep_launch();
-
-    /* q heads of this group, the new k and v: raw into shared memory, then per-vector norm and RoPE */
-    for (int i = tid; i < rd / 2; i += 256) {
+    for (int i = tid; i < rd / 2; i += 256) {           /* RoPE's angles need only the position: also before */
         float f = (float)pos * inv_freq[i];
         cs[i] = cosf(f) * rscale;
         sn[i] = sinf(f) * rscale;
     }
+    griddep_wait();                                     /* q/k/v/g come from the matvec */
+    griddep_launch();
+
+    /* q heads of this group, the new k and v: raw into shared memory, then per-vector norm and RoPE */
     for (int i = tid; i < (g + 2) * D; i += 256) {
         int j = i / D, d = i % D;
         int src = j < g ? (kvh * g + j) * D : j == g ? (nh + kvh) * D : (nh + nkv + kvh) * D;
@@ -966,7 +969,7 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
     /* the last block of this kv head merges the active splits and applies the gate */
     __threadfence();
     __syncthreads();
-    if (tid == 0) last = atomicAdd(&counter[kvh], 1) == nsplit - 1;
+    if (tid == 0) last = atomicAdd(&counter[kvh], 1) == nact - 1;
     __syncthreads();
     if (!last) return;
     __threadfence();
@@ -1117,17 +1120,65 @@ __global__ void route_plan(float *logits, const float *bias, int n, int E, int K
     }
 }
 
+/* One token's routing by one block (router_decode's last block): one thread per expert, its rank among score + bias
+ * (descending, ties to the lower id: route_token's order) makes it slot `rank` when rank < K; the weights are
+ * renormalised in slot order (as in laguna.c), then stored by ascending expert id, the pair order: ae[k], aw[k]
+ * (shared memory). Every thread of the block calls it. Logits are read through L2 (__ldcg): other blocks wrote them.
+ * (Run instead in every block of the expert kernels, it cost more than the fence and counter it saves: measured in
+ * dev/gpu_notes.md.) */
+__device__ void decode_route(const float *logits, const float *bias, int E, int K, float softcap, int *ae,
+                             float *aw) {
+    __shared__ float score[1024];
+    __shared__ __align__(16) float sel[1024];
+    __shared__ int slot_e[32];
+    __shared__ float slot_w[32];
+    const int E4 = (E + 3) / 4;
+    for (int e = threadIdx.x; e < 4 * E4; e += blockDim.x) {
+        if (e >= E) { sel[e] = -INFINITY; continue; }    /* padding to whole float4s: ranks below every expert */
+        float v = __ldcg(logits + e);
+        if (softcap > 0.0f) v = tanhf(v / softcap) * softcap;
+        score[e] = 1.0f / (1.0f + expf(-v));
+        sel[e] = score[e] + bias[e];
+    }
+    __syncthreads();
+    /* the rank: how many experts beat e (greater, or equal with a lower id). On the critical path of every MoE
+     * layer, so one compare per expert, on float4 broadcasts: below e's float4 "beats" is t >= v, i.e. t > the
+     * float just under v; from it on, t > v; then the ties in e's own float4 below e are added (a plain loop
+     * over j with both tests cost ~5 us more per layer, dev/gpu_notes.md) */
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        const float v = sel[e], v_under = nextafterf(v, -INFINITY);
+        const int qe = e / 4;
+        int rank = 0;
+#pragma unroll 8
+        for (int q = 0; q < E4; q++) {
+            const float4 t = ((const float4 *)sel)[q];
+            const float th = q < qe ? v_under : v;
+            rank += (t.x > th) + (t.y > th) + (t.z > th) + (t.w > th);
+        }
+        for (int j = 4 * qe; j < e; j++) rank += sel[j] == v;
+        if (rank < K) { slot_e[rank] = e; slot_w[rank] = score[e]; }
+    }
+    __syncthreads();
+    if (threadIdx.x < K) {
+        int j = threadIdx.x, e = slot_e[j], k = 0;
+        float sum = 0.0f;
+        for (int i = 0; i < K; i++) { sum += slot_w[i]; k += slot_e[i] < e; }
+        ae[k] = e;
+        aw[k] = slot_w[j] / sum;
+    }
+    __syncthreads();
+}
+
 /* Decode (one token): the router matvec and route_plan's work in one launch. Every block computes 2 logits (128
  * blocks: 1 MB of router weights wants many SMs pulling); the last block to finish (a counter in device memory,
- * reset by that block) picks the top-k (H <= 2048 * NCH). One thread per expert: its rank among score + bias (descending, ties to the
- * lower id, the CPU's order) makes it slot `rank` when rank < K; the plan is then trivial (one token: K pairs, each
- * expert once, sorted by id). The weights are renormalised in slot order, as in laguna.c. */
+ * reset by that block) picks the top-k (decode_route; H <= 2048 * NCH). The plan is then trivial: one token, K pairs,
+ * each expert once, sorted by id (start[] and pair_tok[] for the general gate/up kernel). */
 template <typename W, int NCH>
 __global__ void __launch_bounds__(256) router_decode(float *logits, WPtr w, int E, int H, const float *x,
                                                      const float *norm_w, float eps, float *xb_out,
-                                                     const float *bias, int K, float softcap, int *topk_idx,
-                                                     float *topk_w, int *start, int *pair_tok, float *pair_w,
-                                                     int *inv, int *active, int *n_active, int *counter) {
+                                                     const float *bias, int K, float softcap, int *start,
+                                                     int *pair_tok, float *pair_w, int *active, int *n_active,
+                                                     int *counter) {
     matvec_rows<W, 2, NCH>(logits, w, E, H, x, norm_w, eps, xb_out, NULL, 0);
     __shared__ int last;
     __threadfence();                               /* this block's logits, visible before it is counted */
@@ -1136,38 +1187,17 @@ __global__ void __launch_bounds__(256) router_decode(float *logits, WPtr w, int 
     __syncthreads();
     if (!last) return;
     __threadfence();
-    __shared__ float score[1024], sel[1024];
-    __shared__ int slot_e[32];
-    __shared__ float slot_w[32];
-    for (int e = threadIdx.x; e < E; e += blockDim.x) {
-        float v = __ldcg(logits + e);              /* L2: written by other blocks */
-        if (softcap > 0.0f) v = tanhf(v / softcap) * softcap;
-        score[e] = 1.0f / (1.0f + expf(-v));
-        sel[e] = score[e] + bias[e];
-    }
-    __syncthreads();
-    for (int e = threadIdx.x; e < E; e += blockDim.x) {
-        float v = sel[e];
-        int rank = 0;
-        for (int j = 0; j < E; j++) rank += sel[j] > v || (sel[j] == v && j < e);
-        if (rank < K) { slot_e[rank] = e; slot_w[rank] = score[e]; }
-    }
-    __syncthreads();
-    if (threadIdx.x < K) {
-        int j = threadIdx.x, e = slot_e[j], k = 0;
-        float sum = 0.0f;
-        for (int i = 0; i < K; i++) { sum += slot_w[i]; k += slot_e[i] < e; }
-        float wj = slot_w[j] / sum;
-        topk_idx[j] = e;
-        topk_w[j] = wj;
-        inv[j] = k;                                /* pair k = this slot: the pairs sorted by expert id */
-        active[k] = e;
-        pair_tok[k] = 0;
-        pair_w[k] = wj;
+    __shared__ int ae[32];
+    __shared__ float aw[32];
+    decode_route(logits, bias, E, K, softcap, ae, aw);
+    if (threadIdx.x < K) {                         /* pair k: the k-th expert by id, token 0 */
+        active[threadIdx.x] = ae[threadIdx.x];
+        pair_w[threadIdx.x] = aw[threadIdx.x];
+        pair_tok[threadIdx.x] = 0;
     }
     for (int e = threadIdx.x; e <= E; e += blockDim.x) {
         int s = 0;
-        for (int i = 0; i < K; i++) s += slot_e[i] < e;
+        for (int i = 0; i < K; i++) s += ae[i] < e;
         start[e] = s;
     }
     if (threadIdx.x == 0) { *n_active = K; *counter = 0; }
@@ -1910,6 +1940,8 @@ struct GpuModel {
     int attn_scalar;         /* LAGUNA_ATTN_SCALAR=1: the plain attention kernel on a bf16 / fp8 cache (a debug hook) */
     int pdl;                 /* programmatic dependent launch for the decode kernels (LAGUNA_NO_PDL=1: off) */
     int pdl_now;             /* set while enqueueing a one-token forward */
+    int dup, nlaunch;        /* LAGUNA_DUP=k: the k-th decode launch of every layer enqueued twice (a timing hook) */
+    int moe_general;         /* LAGUNA_MOE_GENERAL=1: decode's gate/up by the general kernel (what H > 2048 takes) */
     int fused_split[2];      /* attention_decode_fused splits per layer type */
     int nsm;
     char *wbuf;              /* all weights: one allocation */
@@ -2179,6 +2211,8 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
     g->attn_scalar = getenv("LAGUNA_ATTN_SCALAR") != NULL;
     g->use_graph = !getenv("LAGUNA_NO_GRAPH");    /* for the test that graph replay equals plain launches */
     g->pdl = !getenv("LAGUNA_NO_PDL");
+    g->dup = getenv("LAGUNA_DUP") ? atoi(getenv("LAGUNA_DUP")) : -1;
+    g->moe_general = getenv("LAGUNA_MOE_GENERAL") != NULL;     /* so the tests reach that path at small shapes */
     int D = c->head_dim, H = c->dim, KVD = c->kv_dim, T = max_tokens, E = c->n_experts, K = c->n_experts_active;
     /* formats: the matmul weights all quantized alike (q8 or q4) or none of them; the embedding (and with it a tied
      * lm_head) and lm_head may be quantized on their own (export.py: the embedding is q8 in q4 files too); the
@@ -2423,6 +2457,9 @@ static void launch(GpuModel *g, void (*kernel)(P...), dim3 grid, dim3 block, siz
     cfg.attrs = &attr;
     cfg.numAttrs = g->pdl_now ? 1 : 0;
     CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, ((P)args)...));
+    /* LAGUNA_DUP=k (dev/device_decode.sh): the k-th launch of each layer's decode runs twice; the step's extra time
+     * is that kernel's cost inside the graph (0 q/k/v/g, 1 attention, 2 o_proj, 3 router, 4 gate/up, 5 down) */
+    if (g->pdl_now && g->nlaunch++ == g->dup) CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, ((P)args)...));
 }
 
 /* the decode matvec: 8 weight loads per thread, spread over ROWS rows x NCH chunks per row (in <= 256 * CH * NCH) */
@@ -2527,7 +2564,7 @@ static void mlp_decode(GpuModel *g, int l) {
     const WPtr egu = wmat(DT, L->experts_gate_up, (size_t)E * 2 * I, H), edn = wmat(DT, L->experts_down, (size_t)E * H, I);
     /* gate/up: the one-token kernel (H <= 2048) or the general one; the always-on matrix's blocks first */
 #define GATE_UP(EGU, NI, KA) do { \
-        if (H <= 2048) launch(g, moe_gate_up_decode<W, 64 / Fmt<W>::CH>, \
+        if (H <= 2048 && !g->moe_general) launch(g, moe_gate_up_decode<W, 64 / Fmt<W>::CH>, \
                               dim3((L->hid + 8 * RG - 1) / (8 * RG) + (KA) * ((I + 8 * RG - 1) / (8 * RG))), dim3(256), 0, \
                               EGU, I, gate_up, L->hid, H, (const float *)g->xb, \
                               (const int *)g->active, (const int *)(NI), g->h_pair, (KA) ? g->hs : g->mlp_act); \
@@ -2548,8 +2585,8 @@ static void mlp_decode(GpuModel *g, int l) {
      * top-k plan, one launch; the router is never quantized (P: bf16 or f32) */
 #define ROUTE(N) launch(g, router_decode<P, N>, dim3((c->n_experts + 1) / 2), dim3(256), 0, g->router_logits, \
         WPtr(L->router), c->n_experts, H, (const float *)g->x, (const float *)L->ffn_norm, c->norm_eps, g->xb, \
-        (const float *)L->expert_bias, K, c->router_softcap, g->topk_idx, g->topk_w, g->start, g->pair_tok, \
-        g->pair_w, g->inv, g->active, g->n_active, g->counters)
+        (const float *)L->expert_bias, K, c->router_softcap, g->start, g->pair_tok, g->pair_w, g->active, \
+        g->n_active, g->counters)
     if (H <= 2048) ROUTE(1);
     else if (H <= 4096) ROUTE(2);
     else if (H <= 8192) ROUTE(4);
@@ -2711,6 +2748,7 @@ static void forward_gpu(GpuModel *g, int n, int pos, int all_logits) {
     for (int l = 0; l < c->n_layers; l++) {
         GpuLayer *L = &g->L[l];
         int type = c->layer_type[l], QD = L->nh * D;
+        g->nlaunch = 0;                             /* LAGUNA_DUP counts each layer's launches */
         /* ---- attention block ---- */
         if (n == 1) {
             matvec<W>(g, g->qkvg, L->wqkvg, L->NQ, H, g->x, L->attn_norm, NULL, L->bqkvg, 0);

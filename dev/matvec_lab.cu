@@ -41,6 +41,64 @@ __global__ void __launch_bounds__(256) matvec_warp_row(float *out, const bf16 *w
     if (lane == 0) out[r] = acc;
 }
 
+/* decode_route (router_decode's last block) on its own: the experts by id and their weights */
+__global__ void route_weights(const float *logits, const float *bias, int E, int K, float *w, int *ids,
+                              float softcap) {
+    __shared__ int ae[32];
+    __shared__ float aw[32];
+    decode_route(logits, bias, E, K, softcap, ae, aw);
+    if (threadIdx.x < K) { w[threadIdx.x] = aw[threadIdx.x]; ids[threadIdx.x] = ae[threadIdx.x]; }
+}
+
+/* decode_route against the CPU's rule (laguna.c / route_token: top-k of sigmoid(logit) + bias, descending, ties to
+ * the lower id; weights = the unbiased scores renormalised in that order; reported by ascending id), on random
+ * logits drawn from a few values (many exact ties) and from a continuum, several E and K */
+static void check_decode_route() {
+    int bad = 0, trials = 0;
+    float *d_lg, *d_b, *d_w;
+    int *d_e;
+    CUDA_CHECK(cudaMalloc(&d_lg, 1024 * 4)); CUDA_CHECK(cudaMalloc(&d_b, 1024 * 4));
+    CUDA_CHECK(cudaMalloc(&d_w, 32 * 4)); CUDA_CHECK(cudaMalloc(&d_e, 32 * 4));
+    uint64_t st = 12345;
+    auto rnd = [&]() { st = st * 6364136223846793005ull + 1442695040888963407ull; return (double)(st >> 11) / 9007199254740992.0; };
+    const int Es[] = {8, 37, 64, 256, 1000}, Ks[] = {1, 2, 8, 8, 32};
+    for (int c = 0; c < 5; c++)
+        for (int t = 0; t < 40; t++, trials++) {
+            int E = Es[c], K = Ks[c] < E ? Ks[c] : E;
+            float cap = t % 3 == 0 ? 30.0f : 0.0f;
+            std::vector<float> lg(E), b(E);
+            for (int e = 0; e < E; e++) {
+                lg[e] = t % 2 ? (float)(int)(rnd() * 4) - 2.0f : (float)(rnd() * 8 - 4);
+                b[e] = t % 4 < 2 ? 0.0f : (float)(int)(rnd() * 3) * 0.25f;
+            }
+            CUDA_CHECK(cudaMemcpy(d_lg, lg.data(), E * 4, cudaMemcpyHostToDevice));
+            CUDA_CHECK(cudaMemcpy(d_b, b.data(), E * 4, cudaMemcpyHostToDevice));
+            route_weights<<<1, 256>>>(d_lg, d_b, E, K, d_w, d_e, cap);
+            LAUNCH_CHECK();
+            std::vector<float> gw(K);
+            std::vector<int> ge(K);
+            CUDA_CHECK(cudaMemcpy(gw.data(), d_w, K * 4, cudaMemcpyDeviceToHost));
+            CUDA_CHECK(cudaMemcpy(ge.data(), d_e, K * 4, cudaMemcpyDeviceToHost));
+            std::vector<float> sc(E);
+            std::vector<int> ord(E);
+            for (int e = 0; e < E; e++) {
+                float v = cap > 0 ? tanhf(lg[e] / cap) * cap : lg[e];
+                sc[e] = 1.0f / (1.0f + expf(-v));
+                ord[e] = e;
+            }
+            std::stable_sort(ord.begin(), ord.end(), [&](int a, int c2) { return sc[a] + b[a] > sc[c2] + b[c2]; });
+            double sum = 0;
+            for (int j = 0; j < K; j++) sum += sc[ord[j]];
+            std::vector<int> want(ord.begin(), ord.begin() + K);
+            std::sort(want.begin(), want.end());
+            for (int k = 0; k < K; k++)
+                if (ge[k] != want[k] || fabs(gw[k] - sc[want[k]] / sum) > 1e-5) { bad++; break; }
+        }
+    printf("decode_route check: %d of %d trials equal to the CPU's rule (ties, softcap, E 8..1000, K 1..32)\n",
+           trials - bad, trials);
+    CUDA_CHECK(cudaFree(d_lg)); CUDA_CHECK(cudaFree(d_b)); CUDA_CHECK(cudaFree(d_w)); CUDA_CHECK(cudaFree(d_e));
+}
+
 /* round 1 moe_down_decode (kept for comparison): one token: all down projections of a layer in one launch with the weighted sum and the residual:
  * x[j] += always_down[j] . hs + scaling * sum_a w_a * down_{e_a}[j] . h_a, experts in ascending id (the CPU's
  * order). One warp per output row; the 8 experts' rows are all in flight together. */
@@ -133,6 +191,7 @@ int main() {
     cublasHandle_t h;
     CUBLAS_CHECK(cublasCreate(&h));
     Timer tm;
+    check_decode_route();
     /* the ceiling: a large device-to-device copy, bytes read + written */
     size_t cb = (size_t)2 << 30;
     void *c0, *c1;

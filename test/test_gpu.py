@@ -118,6 +118,18 @@ def test_gpu_bf16_kernels_exact_with_f32_kv(laguna_gpu, exported, name, tmp_path
     assert d <= TOL_F32
 
 
+@pytest.mark.parametrize("name", ["xs2_f32", "variant"])
+def test_gpu_general_moe_decode_kernel(laguna_gpu, exported, name, tmp_path):
+    """Decode's gate/up through the general MoE kernel (the path of hidden sizes above 2048, which routes the token
+    itself there): token by token, the CPU's logits within the fp32 bar."""
+    cpu, _ = score(laguna_gpu, exported(name), fx(name, "score.txt"), tmp_path, "--cpu")
+    gpu, _ = score(laguna_gpu, exported(name), fx(name, "score.txt"), tmp_path, "--chunk", "1",
+                   env=dict(os.environ, LAGUNA_MOE_GENERAL="1"))
+    d = float(np.abs(gpu - cpu).max())
+    print(f"\n[gpu] {name} general MoE kernel at decode: max |GPU - CPU| = {d:.3g} (bar {TOL_F32})")
+    assert d <= TOL_F32
+
+
 @pytest.mark.parametrize("name", ["xs2_f32", "xs21_bf16"])
 def test_gpu_graph_equals_plain_launches(laguna_gpu, exported, name):
     prompt = open(fx(name, "prompt.txt")).read().strip()
