@@ -1,0 +1,130 @@
+#!/usr/bin/env python3
+"""Random Laguna configurations against the official transformers implementation (CPU; needs torch and
+transformers >= 5.17). For each of N random tiny configs -- layer and MLP patterns, per-layer head counts, GQA
+groups, head_dim, window, experts and top-k, gating kinds, attention bias, router softcapping, tied embeddings,
+rope variants (yarn / default / linear, partial rotary), f32 or bf16 checkpoints -- it saves a randomized model with
+save_pretrained, exports it with export.py, scores a random sequence with ./laguna (CPU) and compares every row of
+logits with transformers' (fp32 eager math; bf16 checkpoints upcast, as laguna computes them). A config passes when
+laguna is within 1e-4 of transformers' fp32 logits, or -- some random configs are ill-conditioned enough that fp32
+itself drifts that far -- no farther from transformers' fp64 logits than twice transformers' own fp32 drift.
+
+    python3 dev/config_fuzz.py [N] [seed]        (default 30 configs, seed 1; prints one line per config)
+
+Configurations transformers itself refuses are skipped and counted. Exit status 1 if any config differs by more
+than 1e-4 or fails to export / run.
+"""
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+import torch
+from transformers import LagunaConfig, LagunaForCausalLM
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "test"))
+from make_fixtures import XS2_FULL, XS21_FULL, randomize  # noqa: E402
+
+
+def random_config(rng):
+    L = rng.randint(1, 6)
+    kv = rng.choice([1, 2, 4])
+    D = rng.choice([8, 16, 32])
+    types = [rng.choice(["full_attention", "sliding_attention"]) for _ in range(L)]
+    mlp = [rng.choice(["dense", "sparse"]) for _ in range(L)]
+    E = rng.choice([4, 8, 16])
+    full = rng.choice([dict(XS2_FULL), dict(XS21_FULL), {"rope_type": "default", "rope_theta": 50000.0},
+                       {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}])
+    full = dict(full, factor=rng.choice([4.0, 32.0])) if full.get("rope_type") == "yarn" else full
+    full["partial_rotary_factor"] = rng.choice([1.0, 0.5, 0.25])
+    sliding = {"rope_type": "default", "rope_theta": rng.choice([10000.0, 5000.0]),
+               "partial_rotary_factor": rng.choice([1.0, 0.5])}
+    return dict(vocab_size=rng.choice([64, 130, 300]), hidden_size=rng.choice([32, 48, 64]),
+                intermediate_size=rng.choice([48, 96]), num_hidden_layers=L, num_attention_heads=kv,
+                num_key_value_heads=kv, head_dim=D,
+                num_attention_heads_per_layer=[kv * rng.choice([1, 2, 3, 4]) for _ in range(L)],
+                layer_types=types, mlp_layer_types=mlp, sliding_window=rng.randint(3, 12),
+                moe_intermediate_size=rng.choice([16, 32]), shared_expert_intermediate_size=rng.choice([16, 24]),
+                num_experts=E, num_experts_per_tok=rng.randint(1, min(4, E)),
+                moe_routed_scaling_factor=rng.choice([1.0, 2.5]), gating=rng.choice([True, False, "per-element"]),
+                attention_bias=rng.random() < 0.3,
+                moe_router_logit_softcapping=rng.choice([0.0, 0.0, 3.0, 30.0]),
+                rms_norm_eps=rng.choice([1e-6, 1e-5]), max_position_embeddings=131072, bos_token_id=2,
+                eos_token_id=[2], pad_token_id=0, tie_word_embeddings=rng.random() < 0.3,
+                rope_parameters={"full_attention": full, "sliding_attention": sliding})
+
+
+def main():
+    n = int(sys.argv[1]) if len(sys.argv) > 1 else 30
+    seed = int(sys.argv[2]) if len(sys.argv) > 2 else 1
+    rng = random.Random(seed)
+    laguna = os.path.join(ROOT, "laguna")
+    worst, bad, refused = 0.0, 0, 0
+    for i in range(n):
+        cd = random_config(rng)
+        dtype = rng.choice(["f32", "bf16"])
+        try:
+            cfg = LagunaConfig(**cd)
+            model = LagunaForCausalLM(cfg).float().eval()
+        except Exception as e:      # transformers refuses the combination: nothing to compare
+            refused += 1
+            print(f"config {i}: transformers refuses it ({type(e).__name__}: {str(e)[:80]})")
+            continue
+        gen = torch.Generator().manual_seed(seed * 1000 + i)
+        randomize(model, cfg, gen)
+        if dtype == "bf16":
+            model = model.to(torch.bfloat16)
+        with tempfile.TemporaryDirectory() as d:
+            hf = os.path.join(d, "hf")
+            model.save_pretrained(hf)
+            ref = LagunaForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+            ref.set_attn_implementation("eager")
+            ref.set_experts_implementation("eager")
+            T = rng.randint(5, 40)
+            ids = torch.randint(3, cfg.vocab_size, (T,), generator=gen)
+            ref64 = LagunaForCausalLM.from_pretrained(hf, dtype=torch.float64).eval()
+            ref64.set_attn_implementation("eager")
+            ref64.set_experts_implementation("eager")
+            with torch.no_grad():
+                want = ref(ids[None]).logits[0].float().numpy()
+                want64 = ref64(ids[None]).logits[0].numpy()
+            binf, idf, lgf = os.path.join(d, "m.bin"), os.path.join(d, "ids.txt"), os.path.join(d, "lg.bin")
+            with open(idf, "w") as f:
+                f.write(" ".join(map(str, ids.tolist())))
+            summary = (f"L{cfg.num_hidden_layers} H{cfg.hidden_size} D{cfg.head_dim} kv{cfg.num_key_value_heads} "
+                       f"heads{cfg.num_attention_heads_per_layer} {''.join(t[0] for t in cfg.layer_types)}/"
+                       f"{''.join(t[0] for t in cfg.mlp_layer_types)} W{cfg.sliding_window} E{cfg.num_experts}"
+                       f"k{cfg.num_experts_per_tok} gating={cfg.gating} bias={cfg.attention_bias} "
+                       f"cap={cfg.moe_router_logit_softcapping} tied={cfg.tie_word_embeddings} "
+                       f"rope={cd['rope_parameters']['full_attention'].get('rope_type')}/"
+                       f"{cd['rope_parameters']['full_attention']['partial_rotary_factor']} {dtype} T{T}")
+            r = subprocess.run([sys.executable, os.path.join(ROOT, "export.py"), "-q", hf, binf],
+                               capture_output=True, text=True)
+            if r.returncode:
+                bad += 1
+                print(f"config {i}: EXPORT FAILED {summary}\n{r.stderr[-400:]}")
+                continue
+            r = subprocess.run([laguna, binf, "--cpu", "--score", idf, "--logits", lgf, "-q"],
+                               capture_output=True, text=True)
+            if r.returncode:
+                bad += 1
+                print(f"config {i}: RUN FAILED {summary}\n{r.stderr[-400:]}")
+                continue
+            got = np.fromfile(lgf, dtype=np.float32).reshape(T, -1)
+            diff = float(np.abs(got - want).max())
+            d64, drift = float(np.abs(got - want64).max()), float(np.abs(want - want64).max())
+            worst = max(worst, diff)
+            ok = diff <= 1e-4 or d64 <= 2 * drift
+            bad += not ok
+            print(f"config {i}: max |laguna - transformers| {diff:.2e} (vs fp64 {d64:.2e}; transformers fp32 vs "
+                  f"fp64 {drift:.2e}) {'ok' if ok else 'DIFFERS'}  {summary}")
+    print(f"\n{n} configs: {n - refused - bad} match (worst |laguna - transformers fp32| {worst:.2e}), {bad} differ "
+          f"or fail, {refused} refused by transformers")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
