@@ -120,8 +120,8 @@ def test_gpu_bf16_kernels_exact_with_f32_kv(laguna_gpu, exported, name, tmp_path
 
 @pytest.mark.parametrize("name", ["xs2_f32", "variant"])
 def test_gpu_general_moe_decode_kernel(laguna_gpu, exported, name, tmp_path):
-    """Decode's gate/up through the general MoE kernel (the path of hidden sizes above 2048, which routes the token
-    itself there): token by token, the CPU's logits within the fp32 bar."""
+    """Decode's gate/up through the general MoE kernel with the router's one-token plan (the path hidden sizes above
+    2048 take; LAGUNA_MOE_GENERAL=1 forces it here): token by token, the CPU's logits within the fp32 bar."""
     cpu, _ = score(laguna_gpu, exported(name), fx(name, "score.txt"), tmp_path, "--cpu")
     gpu, _ = score(laguna_gpu, exported(name), fx(name, "score.txt"), tmp_path, "--chunk", "1",
                    env=dict(os.environ, LAGUNA_MOE_GENERAL="1"))
