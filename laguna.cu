@@ -20,6 +20,7 @@
  *     expert (a few tokens: one launch over the active experts; many tokens: a tensor-core grouped GEMM per
  *     projection for bf16 files, padded batched cuBLAS for the f32 fixtures).
  * dev/gpu_notes.md has the measurements behind these choices. */
+#include <cooperative_groups.h>
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
@@ -813,7 +814,7 @@ __device__ __forceinline__ void kv_tile_load(const KV *kc, const KV *vc, int row
     }
 }
 
-template <typename KV, int D>
+template <typename KV, int D, int CL>
 __global__ void __launch_bounds__(256, 2)
 attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc, int rows, int KVD,
                        const int *pos_ptr, int window, int nsplit, const float *q_norm, const float *k_norm,
@@ -829,7 +830,7 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
     const int pos = *pos_ptr, kmin = window ? max(0, pos - window + 1) : 0, keys = pos - kmin + 1;
     const int per = ((keys + nsplit - 1) / nsplit + KT - 1) / KT * KT, nact = (keys + per - 1) / per;
     const int kb = kmin + split * per, ke = min(pos + 1, kb + per);
-    if (split >= nact) return;                          /* no keys here (the grid is sized for the whole context) */
+    if (!CL && split >= nact) return;                   /* no keys here (the grid is sized for the whole context) */
     KV8 kr[2], vr[2];
     kv_tile_load<KV, D>(kc, vc, rows, KVD, kvh, kb, ke, pos, kr, vr);    /* before the wait: older rows only */
     for (int i = tid; i < rd / 2; i += 256) {           /* RoPE's angles need only the position: also before */
@@ -939,6 +940,7 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
 #pragma unroll
         for (int i = 0; i < 2; i++) { kr[i] = nk[i]; vr[i] = nv[i]; }
     }
+    __shared__ __align__(16) float po[CL ? G : 1][D];  /* CL: this split's unnormalised output, for the cluster */
     if (kb < ke) {
         /* the threads of one dim chunk: lanes CH apart, then the 8 warps (fixed order) */
 #pragma unroll
@@ -962,9 +964,42 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
             int j = i / D, d = i % D;
             float acc = 0.0f;
             for (int w = 0; w < 8; w++) acc += sm.wo[w][j][d];
-            part_o[(pbase + j) * D + d] = acc;
-            if (d == 0) part_ml[pbase + j] = make_float2(hm[j], hl[j]);
+            if constexpr (CL) po[j][d] = acc;
+            else {
+                part_o[(pbase + j) * D + d] = acc;
+                if (d == 0) part_ml[pbase + j] = make_float2(hm[j], hl[j]);
+            }
         }
+    } else if constexpr (CL) {                          /* a split without keys: weight 0 in the merge */
+        for (int i = tid; i < g * D; i += 256) po[i / D][i % D] = 0.0f;
+    }
+    if constexpr (CL) {
+        /* The kv head's CL splits are one thread-block cluster: after a cluster barrier each block reads the others'
+         * (max, sum, output) straight from their shared memory, block j merging head j (threads = dims; splits in
+         * order), and the second barrier keeps every block's shared memory alive until all have read it. No fence,
+         * counter or global round trip. */
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        namespace cg = cooperative_groups;
+        cg::cluster_group cluster = cg::this_cluster();
+        cluster.sync();
+        const int j = (int)cluster.block_rank();
+        if (j < g && tid < D) {
+            float M = -INFINITY, L = 0.0f, acc = 0.0f;
+            for (int r = 0; r < CL; r++) M = fmaxf(M, *cluster.map_shared_rank(&hm[j], r));
+            for (int r = 0; r < CL; r++) {
+                float w = exp2f(*cluster.map_shared_rank(&hm[j], r) - M);
+                L += *cluster.map_shared_rank(&hl[j], r) * w;
+                acc += cluster.map_shared_rank(&po[0][0], r)[j * D + tid] * w;
+            }
+            int hd = kvh * g + j;
+            const float *gate = qkvg + gate_off;
+            att[(size_t)hd * D + tid] = acc / L * (gate_off < 0 ? 1.0f : softplus(gate[gate_per_head ? hd : hd * D + tid]));
+        }
+        cluster.sync();
+#else
+        __trap();                                       /* clusters need sm_90: the host never picks CL then */
+#endif
+        return;
     }
     /* the last block of this kv head merges the active splits and applies the gate */
     __threadfence();
@@ -1942,6 +1977,9 @@ struct GpuModel {
     int pdl_now;             /* set while enqueueing a one-token forward */
     int dup, nlaunch;        /* LAGUNA_DUP=k: the k-th decode launch of every layer enqueued twice (a timing hook) */
     int moe_general;         /* LAGUNA_MOE_GENERAL=1: decode's gate/up by the general kernel (what H > 2048 takes) */
+    int attn_cluster;        /* one-token attention of sliding layers as clusters of this many splits (0: global merge) */
+    int cluster_y;           /* set while launching a clustered kernel (launch()) */
+    int cc_major;            /* compute capability (clusters need 9) */
     int fused_split[2];      /* attention_decode_fused splits per layer type */
     int nsm;
     char *wbuf;              /* all weights: one allocation */
@@ -2177,6 +2215,39 @@ extern "C" int gpu_available(char *info, size_t infosz) {
     return 1;
 }
 
+/* can clusters of cl blocks of attention_decode_fused<KV, D, cl> run here (sm_90, and co-scheduled at all)? */
+template <typename KV, int D, int CL>
+static int cluster_fits_d(const GpuModel *g) {
+    if (g->cc_major < 9) return 0;
+    auto kernel = attention_decode_fused<KV, D, CL>;
+    if (CL > 8 && cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
+        cudaGetLastError();
+        return 0;
+    }
+    cudaLaunchAttribute attr;
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = 1;
+    attr.val.clusterDim.y = CL;
+    attr.val.clusterDim.z = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(g->c.n_kv_heads, CL);
+    cfg.blockDim = dim3(256);
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    int clusters = 0;
+    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess) { cudaGetLastError(); return 0; }
+    return clusters > 0;
+}
+template <typename KV>
+static int cluster_fits(const GpuModel *g, int D, int cl) {
+    switch (D) {
+    case 16: return cl == 16 ? cluster_fits_d<KV, 16, 16>(g) : cluster_fits_d<KV, 16, 8>(g);
+    case 32: return cl == 16 ? cluster_fits_d<KV, 32, 16>(g) : cluster_fits_d<KV, 32, 8>(g);
+    case 64: return cl == 16 ? cluster_fits_d<KV, 64, 16>(g) : cluster_fits_d<KV, 64, 8>(g);
+    default: return cl == 16 ? cluster_fits_d<KV, 128, 16>(g) : cluster_fits_d<KV, 128, 8>(g);
+    }
+}
+
 static int split_for(const GpuModel *g, int keys, int row_blocks, int n) {
     int s = (2 * g->nsm + row_blocks * g->c.n_kv_heads - 1) / (row_blocks * g->c.n_kv_heads);
     int most = (keys + 63) / 64;
@@ -2257,6 +2328,7 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
     cudaDeviceProp prop;
     CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
     g->nsm = prop.multiProcessorCount;
+    g->cc_major = prop.major;
     CUDA_CHECK(cudaStreamCreateWithFlags(&g->stream, cudaStreamNonBlocking));
     CUBLAS_CHECK(cublasCreate(&g->blas));
     CUBLAS_CHECK(cublasSetStream(g->blas, g->stream));
@@ -2372,6 +2444,20 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
         g->fused_split[ATTN_SLIDING] = sw < 1 ? 1 : sw > 128 ? 128 : sw;
         int f = fu < most ? fu : most;
         g->fused_split[ATTN_FULL] = f < 1 ? 1 : f > 128 ? 128 : f;
+        /* sliding layers: clusters of 16 splits (non-portable size) if this GPU can co-schedule them, else 8;
+         * LAGUNA_ATTN_CLUSTER=0/8/16 chooses (0: the global merge, as full layers always use) */
+        const char *e = getenv("LAGUNA_ATTN_CLUSTER");
+        int want = e ? atoi(e) : 16;
+        g->attn_cluster = 0;
+        for (int cl = want; cl >= 8 && !g->attn_cluster; cl /= 2) {
+            if (cl != 8 && cl != 16) continue;
+            int ok = 0;
+#define CLOK(KV) ok = cluster_fits<KV>(g, D, cl)
+            KV_SWITCH(g, CLOK);
+#undef CLOK
+            if (ok) g->attn_cluster = cl;
+        }
+        if (g->attn_cluster) g->fused_split[ATTN_SLIDING] = g->attn_cluster;
     }
     prefill_kernels_setup();
     if (g->use_graph && !c->block_size) capture_decode(g);    /* captured once here; replayed at every position */
@@ -2379,10 +2465,11 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
     size_t fr, tot;
     CUDA_CHECK(cudaMemGetInfo(&fr, &tot));
     snprintf(g->summary, sizeof g->summary, "weights %.2f GiB (%s), KV cache %.2f GiB (%s, %d positions), "
-             "activations %.2f GiB, GPU memory in use %.1f of %.1f GiB",
+             "activations %.2f GiB, GPU memory in use %.1f of %.1f GiB%s",
              g->wbytes / 1073741824.0, g->wdt == DT_Q8 ? "q8" : g->wdt == DT_Q4 ? "q4" : g->bf ? "bf16" : "f32",
              g->kvbytes / 1073741824.0, kv_name(g), ctx,
-             g->actbytes / 1073741824.0, (tot - fr) / 1073741824.0, tot / 1073741824.0);
+             g->actbytes / 1073741824.0, (tot - fr) / 1073741824.0, tot / 1073741824.0,
+             g->attn_cluster == 16 ? ", attention clusters 16" : g->attn_cluster == 8 ? ", attention clusters 8" : "");
     return g;
 }
 
@@ -2446,16 +2533,25 @@ static void gemm(GpuModel *g, float *y, int ldy, const void *W, int out, int in,
  * kernel so launched calls griddep_wait() before touching what earlier kernels wrote). */
 template <typename... P, typename... A>
 static void launch(GpuModel *g, void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, A... args) {
-    cudaLaunchAttribute attr;
-    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr.val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchAttribute attr[2];
+    int na = 0;
+    if (g->pdl_now) {
+        attr[na].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr[na++].val.programmaticStreamSerializationAllowed = 1;
+    }
+    if (g->cluster_y) {            /* thread-block clusters of cluster_y blocks along y (the caller sets and clears it) */
+        attr[na].id = cudaLaunchAttributeClusterDimension;
+        attr[na].val.clusterDim.x = 1;
+        attr[na].val.clusterDim.y = g->cluster_y;
+        attr[na++].val.clusterDim.z = 1;
+    }
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid;
     cfg.blockDim = block;
     cfg.dynamicSmemBytes = smem;
     cfg.stream = g->stream;
-    cfg.attrs = &attr;
-    cfg.numAttrs = g->pdl_now ? 1 : 0;
+    cfg.attrs = attr;
+    cfg.numAttrs = na;
     CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, ((P)args)...));
     /* LAGUNA_DUP=k (dev/device_decode.sh): the k-th launch of each layer's decode runs twice; the step's extra time
      * is that kernel's cost inside the graph (0 q/k/v/g, 1 attention, 2 o_proj, 3 router, 4 gate/up, 5 down) */
@@ -2511,17 +2607,23 @@ static void attention(GpuModel *g, int l, int n, int pos) {
     const int *pos_ptr = g->pos;
     int nsplit = 1;
     if (fused_decode_attention(g, l, n)) {
-        /* one token: q/k norm, RoPE, the K/V append, split-K attention, merge and gate in one launch */
-        nsplit = g->fused_split[c->layer_type[l]];
+        /* one token: q/k norm, RoPE, the K/V append, split-K attention, merge and gate in one launch; sliding layers
+         * (at most W keys) as one cluster of attn_cluster splits per kv head, merged in shared memory */
+        const int CLU = sliding ? g->attn_cluster : 0;
+        nsplit = CLU ? CLU : g->fused_split[c->layer_type[l]];
         int gate_off = L->nh * D + 2 * c->kv_dim, t = c->layer_type[l];
-#define FUSED(KV, DD) launch(g, attention_decode_fused<KV, DD>, dim3(nkv, nsplit), dim3(256), 0, (const float *)g->qkvg, \
+        g->cluster_y = CLU;
+#define FUSED_CL(KV, DD, CC) launch(g, attention_decode_fused<KV, DD, CC>, dim3(nkv, nsplit), dim3(256), 0, (const float *)g->qkvg, \
         gq, L->nh, nkv, (KV *)L->kc, (KV *)L->vc, L->rows, c->kv_dim, pos_ptr, window, nsplit, (const float *)L->q_norm, \
         (const float *)L->k_norm, (const float *)g->inv_freq[t], c->rotary_dim[t], c->rope_scaling[t], c->norm_eps, \
         g->part_o, g->part_ml, g->counters + 1, g->att, gate_off, c->gate_per_head, scale_log2)
+#define FUSED(KV, DD) do { if (CLU == 16) FUSED_CL(KV, DD, 16); else if (CLU == 8) FUSED_CL(KV, DD, 8); else FUSED_CL(KV, DD, 0); } while (0)
 #define FUSED_D(KV) switch (D) { case 16: FUSED(KV, 16); break; case 32: FUSED(KV, 32); break; case 64: FUSED(KV, 64); break; default: FUSED(KV, 128); }
         KV_SWITCH(g, FUSED_D);
 #undef FUSED_D
 #undef FUSED
+#undef FUSED_CL
+        g->cluster_y = 0;
         return;
     }
     /* the flash kernel rounds q and p to bf16: it serves bf16 files with a bf16 or fp8 cache; an f32 cache, any cache
