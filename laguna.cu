@@ -156,9 +156,10 @@ __device__ __forceinline__ void fp8x4_to_f32(uint32_t w, float f[4]) {
  * padded to whole groups). A lane's unit of work is a chunk of CH consecutive weights of a row, read with one
  * 16-byte load (f32: two): bf16 / f32 8 weights, Q8 16 (half a group), Q4 32 (one group), plus for Q8 / Q4 the
  * group's fp16 scale. wvals8 turns 8 weights of a chunk into floats in registers; chunk_dot multiplies a chunk's
- * partial dot product by its scale. A quantized chunk holds 2x / 4x the weights of a bf16 one, so the decode kernels
- * work on RG rows at once (Q8 2, Q4 4): a lane keeps as many 16-byte loads in flight as with bf16, and each x value
- * it loads serves RG rows. bf16 / f32 (RG 1, no scale) run the instructions they ran before the template. */
+ * partial dot product by its scale. The warp-per-row decode kernels (matvec_warp, moe_gate_up_decode) can work on RG
+ * rows at once, so that each x value a lane loads serves RG rows; every format uses RG = 1: Q8 at 2 and Q4 at 4 rows
+ * gave a quarter (Q4) or half (Q8) as many warps over the same bytes, and decode was slower (H200, XS-2.1 at 512:
+ * q4 344.7 tok/s with RG 4, 360.5 with 2, 371.8 with 1; q8 371.0 with RG 2, 382.1 with 1; dev/gpu_notes.md). */
 struct Q8 {};
 struct Q4 {};
 struct WPtr {
@@ -171,8 +172,8 @@ struct QChunk { uint4 a; uint16_t s; };      /* 16 bytes of q8 / q4 values and t
 template <typename W> struct Fmt;
 template <> struct Fmt<bf16> { typedef W8 Chunk; enum { DT = DT_BF16, CH = 8, RG = 1, GB = 0 }; };
 template <> struct Fmt<float> { typedef W8 Chunk; enum { DT = DT_F32, CH = 8, RG = 1, GB = 0 }; };
-template <> struct Fmt<Q8> { typedef QChunk Chunk; enum { DT = DT_Q8, CH = 16, RG = 2, GB = LAGUNA_QGROUP }; };
-template <> struct Fmt<Q4> { typedef QChunk Chunk; enum { DT = DT_Q4, CH = 32, RG = 4, GB = LAGUNA_QGROUP / 2 }; };
+template <> struct Fmt<Q8> { typedef QChunk Chunk; enum { DT = DT_Q8, CH = 16, RG = 1, GB = LAGUNA_QGROUP }; };
+template <> struct Fmt<Q4> { typedef QChunk Chunk; enum { DT = DT_Q4, CH = 32, RG = 1, GB = LAGUNA_QGROUP / 2 }; };
 template <typename W> constexpr bool is_q = Fmt<W>::GB != 0;    /* GB: value bytes per group */
 
 /* row r of a matrix with rows of `in` weights */
@@ -1390,9 +1391,9 @@ __global__ void __launch_bounds__(256) moe_down(WPtr experts_down, int I, WPtr a
 
 /* SwiGLU gate/up for one token (n = 1 decode): hs = silu(x . gate_i) * (x . up_i) for the always-on matrix (shared
  * expert, or the dense MLP), then h_pair[a] likewise for the a-th active expert (ascending id, = its pair index).
- * A warp per RG hidden units (bf16 / f32 one), each lane's NCH chunks of the gate and up rows (16 loads at H = 2048)
- * issued together; the always-on blocks come first in the grid and issue their loads before the wait on the router
- * (their weights don't depend on it). Quantized formats stage x in shared memory (swizzled, see xs_slot): a lane's
+ * A warp per RG hidden units (Fmt: one in every format), each lane's NCH chunks of the gate and up rows (16 loads
+ * at H = 2048) issued together; the always-on blocks come first in the grid and issue their loads before the wait on
+ * the router (their weights don't depend on it). Quantized formats stage x in shared memory (swizzled, see xs_slot): a lane's
  * x is CH floats per chunk, read once for RG units. Every block waits before it exits (moe_down_decode relies on
  * that, see there). */
 template <typename W, int NCH>
@@ -2566,7 +2567,7 @@ static void matvec(GpuModel *g, float *out, const void *w, int rows, int in, con
     const WPtr m = wmat(Fmt<W>::DT, w, rows, in);
 #define MV(R, N) launch(g, matvec_kernel<W, R, N>, dim3((rows + R - 1) / R), dim3(256), 0, out, m, rows, in, \
                         x, norm_w, g->c.norm_eps, xb_out, bias, accumulate)
-    /* in <= 2048: a warp per row (RG rows quantized), 2 steps per warp (x staged once per 16 * RG rows). Measured on
+    /* in <= 2048: a warp per RG rows (Fmt), 2 steps per warp (x staged once per 16 * RG rows). Measured on
      * the H200 in the decode graph (dev/gpu_notes.md, round 2, bf16): 317 tok/s with 2 rows per warp, 311 with 4,
      * 292 with 1, 309 with the block-rows kernel below; the block-rows kernel wins for the 8192-wide o_proj */
 #define MVW(R) launch(g, matvec_warp<W, 64 / CH, R>, dim3((rows + 8 * R * RG - 1) / (8 * R * RG)), dim3(256), 0, out, m, \

@@ -1,7 +1,7 @@
 /* dev/bench_gpu.c -- the GPU benchmark behind `make bench` (results: dev/gpu_notes.md).
  *
  *   python3 export.py --synthetic XS-2.1 /dev/shm/xs21.bin && ./dev/bench_gpu /dev/shm/xs21.bin [contexts...]
- *   (quantized: add --dtype q8 or q4 to the export)
+ *   (quantized: add --dtype q8 or q4 to the export; an fp8 KV cache: ./dev/bench_gpu FILE --kv fp8 [contexts...])
  *
  * The synthetic file has the exact Laguna-XS-2.1 shapes with its matmul weights left as holes; the weights are
  * filled on the GPU with the --random-weights hash (seed 1; q8 / q4 files get those values quantized, as the CPU
@@ -32,11 +32,11 @@ static double weight_bytes_per_token(const Model *m) {
     return b + tbytes(c->tied_embeddings ? &w->embed : &w->lm_head);
 }
 
-static double kv_bytes_per_token(const Config *c, int ctx) {
+static double kv_bytes_per_token(const Config *c, int ctx, int elem) {
     double b = 0;
     for (int l = 0; l < c->n_layers; l++) {
         int keys = c->layer_type[l] == ATTN_FULL ? ctx : (ctx < c->sliding_window ? ctx : c->sliding_window);
-        b += (double)keys * c->kv_dim * 2 * 2;
+        b += (double)keys * c->kv_dim * 2 * elem;
     }
     return b;
 }
@@ -44,7 +44,7 @@ static double kv_bytes_per_token(const Config *c, int ctx) {
 static int argmax_row(const float *x, int n) { return argmax(x, n); }
 
 int main(int argc, char **argv) {
-    if (argc < 2) { fprintf(stderr, "usage: bench_gpu XS21.bin [contexts...]\n"); return 1; }
+    if (argc < 2) { fprintf(stderr, "usage: bench_gpu XS21.bin [--kv fp8] [contexts...]\n"); return 1; }
     static Model m;
     char err[1024], info[256];
     if (load_model(&m, argv[1], KIND_MODEL, err, sizeof err)) die("%s", err);
@@ -52,6 +52,13 @@ int main(int argc, char **argv) {
     Config *c = &m.config;
     m.random_weights = 1;
     m.random_seed = 1;
+    int a0 = 2, kv_elem = 2;                       /* bytes per cached K/V value: bf16, or fp8 with --kv fp8 */
+    if (argc > 3 && !strcmp(argv[2], "--kv")) {
+        if (strcmp(argv[3], "fp8")) die("bench_gpu: --kv takes fp8 (the default is bf16)");
+        m.kv = KV_FP8;
+        kv_elem = 1;
+        a0 = 4;
+    }
     int ctx = c->max_seq_len, T = 2048;
     double t0 = now_s();
     GpuModel *g = gpu_init(&m, ctx, T, err, sizeof err);
@@ -59,7 +66,7 @@ int main(int argc, char **argv) {
     printf("gpu: %s\n%s\ninit (random fill on the device) %.1f s\n", info, gpu_summary(g), now_s() - t0);
 
     int contexts[16] = {512, 2048, 8192, 32768, 131072}, nc = 5;
-    if (argc > 2) { nc = 0; for (int i = 2; i < argc && nc < 16; i++) contexts[nc++] = atoi(argv[i]); }
+    if (argc > a0) { nc = 0; for (int i = a0; i < argc && nc < 16; i++) contexts[nc++] = atoi(argv[i]); }
     int maxL = 0;
     for (int i = 0; i < nc; i++) if (contexts[i] > maxL) maxL = contexts[i];
     int *ids = xcalloc((size_t)maxL + 256, sizeof(int));
@@ -94,7 +101,7 @@ int main(int argc, char **argv) {
         int reps = 10;
         for (int i = 0; i < reps; i++) gpu_forward(g, ids + L, 16, L, 1);
         double ver_s = (now_s() - tv) / reps;
-        double bytes = wb + kv_bytes_per_token(c, L + 72);
+        double bytes = wb + kv_bytes_per_token(c, L + 72, kv_elem);
         printf("| %d | %.0f | %.2f | %.1f | %.3f | %.3f | %.0f | %.1f%% | %.2f | %.2fx |\n", L, L / prefill_s,
                prefill_s, 1.0 / dec_s, dec_s * 1e3, bytes / 1e9, bytes / dec_s / 1e9, 100 * bytes / dec_s / 4.3e12,
                ver_s * 1e3, ver_s / dec_s);

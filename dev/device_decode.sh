@@ -4,7 +4,8 @@
 #   step (LAGUNA_DUP=k enqueues the k-th launch of every layer twice: 0 q/k/v/g, 1 attention, 2 o_proj, 3 router,
 #   4 gate/up, 5 down -- the step's extra time is that kernel's cost inside the graph); the kernel lab; then
 #   `make test-gpu` (TESTS=0 skips it; TESTS_K="expr" runs that pytest -k subset; QUANT="" skips q8/q4; DUPS="3 4"
-#   picks the duplicated launches; BUDGET seconds caps the tests).
+#   picks the duplicated launches, QDUPS the same for the q8/q4 files; VARIANTS="A=1 B=2,C=3" runs bf16 at 512 once
+#   per word with those variables set (commas between several); LAB=0 skips the lab; BUDGET seconds caps the tests).
 # Logs under $OUT: summary.txt (one line per bench run: decode tok/s and ms per token per context), build.log,
 # bench_*.log, lab.log, test.log.
 set -u
@@ -30,12 +31,18 @@ b() {
 stage bench
 b bf16 /dev/shm/xs21-bf16.bin 512 8192
 for k in ${DUPS-0 1 2 3 4 5}; do LAGUNA_DUP=$k b dup$k /dev/shm/xs21-bf16.bin 512; done
+i=0; for v in ${VARIANTS-}; do i=$((i + 1)); echo "var$i = $v" >> "$OUT/summary.txt"; ( export ${v//,/ }; b var$i /dev/shm/xs21-bf16.bin 512 ); done
 wait $EXPORT || cat "$OUT/export.log" >> "$OUT/summary.txt"
-for dt in ${QUANT-q8 q4}; do b $dt /dev/shm/xs21-$dt.bin 512; done
+for dt in ${QUANT-q8 q4}; do
+    b $dt /dev/shm/xs21-$dt.bin 512
+    for k in ${QDUPS-}; do LAGUNA_DUP=$k b ${dt}dup$k /dev/shm/xs21-$dt.bin 512; done
+done
 rm -f /dev/shm/xs21-*.bin /dev/shm/xs21-*.tmp
-stage lab
-timeout 60 ./dev/matvec_lab > "$OUT/lab.log" 2>&1
-grep "MoE\|round\|check\|rror\|decode_route" "$OUT/lab.log" | head -20 >> "$OUT/summary.txt"
+if [ "${LAB:-1}" = 1 ]; then
+    stage lab
+    timeout 60 ./dev/matvec_lab > "$OUT/lab.log" 2>&1
+    grep "MoE\|round\|check\|rror\|decode_route" "$OUT/lab.log" | head -20 >> "$OUT/summary.txt"
+fi
 if [ "${TESTS:-1}" = 1 ]; then
     stage tests
     # TESTS_K: a pytest -k expression for a subset (default: all of make test-gpu)
