@@ -56,6 +56,10 @@ dev/bench_dflash: dev/bench_dflash.c laguna-cu.o $(SRC) $(HDR)
 dev/matvec_lab: dev/matvec_lab.cu laguna.cu laguna.h
 	$(NVCC) $(NVCCFLAGS) dev/matvec_lab.cu -o $@ -lcublas
 
+# what one kernel of a decode-style chain costs (fixed part and streaming rate; dev/gpu_notes.md)
+dev/chain_lab: dev/chain_lab.cu laguna.cu laguna.h
+	$(NVCC) $(NVCCFLAGS) dev/chain_lab.cu -o $@ -lcublas
+
 bench: dev/bench_gpu dev/matvec_lab dev/bench_dflash
 	./dev/matvec_lab
 	python3 export.py -q --synthetic XS-2.1 /dev/shm/xs21.bin
@@ -65,7 +69,7 @@ bench: dev/bench_gpu dev/matvec_lab dev/bench_dflash
 
 .PHONY: clean test cuda cuda-compile test-gpu bench
 clean:
-	rm -f laguna laguna-debug laguna-cuda dev/bench_gpu dev/bench_dflash dev/matvec_lab dev/moe_gemm_lab *.o
+	rm -f laguna laguna-debug laguna-cuda dev/bench_gpu dev/bench_dflash dev/matvec_lab dev/moe_gemm_lab dev/chain_lab *.o
 
 # tokenizer speed: encode a file, tokens/s on one core (make bench_tokenizer && ./bench_tokenizer MODEL.bin FILE)
 bench_tokenizer: dev/bench_tokenizer.c tokenizer.c tokenizer.h tokenizer_unicode.h

@@ -5,7 +5,8 @@
 #   4 gate/up, 5 down -- the step's extra time is that kernel's cost inside the graph); the kernel lab; then
 #   `make test-gpu` (TESTS=0 skips it; TESTS_K="expr" runs that pytest -k subset; QUANT="" skips q8/q4; DUPS="3 4"
 #   picks the duplicated launches, QDUPS the same for the q8/q4 files; VARIANTS="A=1 B=2,C=3" runs bf16 at 512 once
-#   per word with those variables set (commas between several); LAB=0 skips the lab; BUDGET seconds caps the tests).
+#   per word with those variables set (commas between several); LAB=0 skips the lab; CHAIN=1 runs dev/chain_lab (the
+#   fixed cost of a kernel in a PDL chain, ~1 min) before the benches; BUDGET seconds caps the tests).
 # Logs under $OUT: summary.txt (one line per bench run: decode tok/s and ms per token per context), build.log,
 # bench_*.log, lab.log, test.log.
 set -u
@@ -19,7 +20,7 @@ stage() { echo "== $1: $(( $(date +%s) - t0 )) s" | tee -a "$OUT/summary.txt"; }
     > "$OUT/export.log" 2>&1 &
 EXPORT=$!
 stage build
-{ make cuda && make dev/bench_gpu dev/matvec_lab; } > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log" >> "$OUT/summary.txt"; exit 1; }
+{ make cuda && make dev/bench_gpu dev/matvec_lab $([ "${CHAIN:-0}" = 1 ] && echo dev/chain_lab); } > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log" >> "$OUT/summary.txt"; exit 1; }
 grep -i "warning" "$OUT/build.log" | head -5 >> "$OUT/summary.txt"
 until [ -f /dev/shm/xs21-bf16.bin ] || ! kill -0 $EXPORT 2>/dev/null; do sleep 1; done   # bf16 first
 # one bench run: $1 label, $2 file, $3.. contexts (env from the caller): decode tok/s and ms/token per context
@@ -28,6 +29,11 @@ b() {
     timeout 60 ./dev/bench_gpu "$f" "$@" > "$OUT/bench_$label.log" 2>&1; local rc=$?
     echo "$label: $(grep '^| [0-9]' "$OUT/bench_$label.log" | awk -F'|' '{printf "%s:%s tok/s (%s ms) ", $2, $5, $6}') rc $rc" | tee -a "$OUT/summary.txt"
 }
+if [ "${CHAIN:-0}" = 1 ]; then
+    stage chain
+    timeout 120 ./dev/chain_lab > "$OUT/chain.log" 2>&1
+    grep "^| \|rror" "$OUT/chain.log" >> "$OUT/summary.txt"
+fi
 stage bench
 b bf16 /dev/shm/xs21-bf16.bin 512 8192
 for k in ${DUPS-0 1 2 3 4 5}; do LAGUNA_DUP=$k b dup$k /dev/shm/xs21-bf16.bin 512; done

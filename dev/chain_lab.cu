@@ -1,0 +1,268 @@
+/* dev/chain_lab.cu -- what one kernel of a decode-style chain costs (make dev/chain_lab && ./dev/chain_lab).
+ *
+ * A decode step is ~240 small kernels in a row, each waiting for the previous one (programmatic dependent launch,
+ * captured in a CUDA graph). The in-graph costs measured with LAGUNA_DUP (dev/gpu_notes.md) are 7-17 us per kernel
+ * against 0.3-10 us of weight bytes. This lab separates the two parts on synthetic kernels built like laguna.cu's:
+ *   stream  G blocks of 256 threads; each thread loads 8 16-byte chunks of "weights" (32 KB a block, a fresh part
+ *           of a 2 GB buffer at every launch, so HBM and not L2), BEFORE griddep_wait (pre) or after it (post);
+ *           then reads an 8 KB input vector that the previous kernel wrote, reduces over the block and writes one
+ *           float per block (the next kernel's input). G sweeps 1 .. 4096 blocks (32 KB .. 128 MB a launch):
+ *           the fit of time against bytes gives the fixed cost of a kernel in the chain and the streaming rate.
+ *   last    stream plus the last-block-done merge of laguna.cu's router and attention (fence, atomic counter, the
+ *           last block reads every block's output).
+ *   cluster stream in thread-block clusters of 16 (sm_90) with the merge through distributed shared memory.
+ *   waves   the stream kernel's bytes in one wave: 2 blocks per SM, each looping over S steps of 32 KB (the next
+ *           step's loads issued before the current one is summed), against stream's S waves of blocks.
+ *   empty   griddep_wait / griddep_launch only.
+ * Each row: N launches captured into one graph (with and without programmatic dependent launch), replayed R times;
+ * us per kernel = the replay time / N. One H200, results in dev/gpu_notes.md. */
+#include "../laguna.cu"
+
+#include <cooperative_groups.h>
+
+static const size_t BUF = (size_t)2 << 30;         /* the weight buffer: 2 GB, many times the 50 MB L2 */
+static const int XN = 2048;                         /* the input vector: 8 KB of floats */
+
+/* the shared part: this block's 32 KB of weights into registers, (pre or post) the wait, the input, a reduction */
+template <bool PRE>
+__device__ __forceinline__ float stream_body(const uint4 *w, size_t off, const float *x) {
+    const int tid = threadIdx.x;
+    const uint4 *wb = w + off + (size_t)blockIdx.x * 8 * 256;
+    uint4 c[8];
+    if (PRE) {
+#pragma unroll
+        for (int u = 0; u < 8; u++) c[u] = __ldcs(wb + u * 256 + tid);
+    }
+    griddep_wait();
+    griddep_launch();
+    if (!PRE) {
+#pragma unroll
+        for (int u = 0; u < 8; u++) c[u] = __ldcs(wb + u * 256 + tid);
+    }
+    float xv[8];
+    load_x8(x + (tid * 8) % XN, xv);
+    float acc = 0.0f;
+#pragma unroll
+    for (int u = 0; u < 8; u++) {              /* a stand-in for the dot product: every loaded byte is used */
+        const uint32_t *q = (const uint32_t *)&c[u];
+        acc += xv[u] * (float)((q[0] ^ q[1] ^ q[2] ^ q[3]) & 0xff);
+    }
+    return block_sum(acc);
+}
+
+template <bool PRE>
+__global__ void __launch_bounds__(256) stream_kernel(const uint4 *w, size_t off, const float *x, float *y) {
+    float s = stream_body<PRE>(w, off, x);
+    if (threadIdx.x == 0) y[blockIdx.x % XN] = s * 1e-9f;
+}
+
+/* stream's bytes from a grid of one wave: each block S steps of 32 KB, the next step loaded while this one is used */
+__global__ void __launch_bounds__(256, 2) waves_kernel(const uint4 *w, size_t off, const float *x, float *y, int S) {
+    const int tid = threadIdx.x;
+    uint4 c[2][8];
+    auto chunk = [&](int s, int u) { return w + off + ((size_t)s * gridDim.x + blockIdx.x) * 8 * 256 + u * 256 + tid; };
+#pragma unroll
+    for (int u = 0; u < 8; u++) c[0][u] = __ldcs(chunk(0, u));
+    griddep_wait();
+    griddep_launch();
+    float xv[8];
+    load_x8(x + (tid * 8) % XN, xv);
+    float acc = 0.0f;
+    for (int s = 0; s < S; s++) {
+        if (s + 1 < S)
+#pragma unroll
+            for (int u = 0; u < 8; u++) c[(s + 1) & 1][u] = __ldcs(chunk(s + 1, u));
+#pragma unroll
+        for (int u = 0; u < 8; u++) {
+            const uint32_t *q = (const uint32_t *)&c[s & 1][u];
+            acc += xv[u] * (float)((q[0] ^ q[1] ^ q[2] ^ q[3]) & 0xff);
+        }
+    }
+    acc = block_sum(acc);
+    if (tid == 0) y[blockIdx.x % XN] = acc * 1e-9f;
+}
+
+/* stream, then the last block to finish (a counter) reads every block's output: laguna.cu's router / attention */
+__global__ void __launch_bounds__(256) last_kernel(const uint4 *w, size_t off, const float *x, float *y, float *part,
+                                                   int *counter) {
+    float s = stream_body<true>(w, off, x);
+    __shared__ int last;
+    if (threadIdx.x == 0) part[blockIdx.x] = s;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(counter, 1) == (int)gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    float v = 0.0f;
+    for (int b = threadIdx.x; b < (int)gridDim.x; b += 256) v += __ldcg(part + b);
+    v = block_sum(v);
+    if (threadIdx.x == 0) { y[0] = v * 1e-9f; *counter = 0; }
+    for (int i = threadIdx.x + 1; i < XN; i += 256) y[i] = v * 1e-12f;
+}
+
+/* stream in clusters of 16 blocks; block 0 of each cluster reads the others' sums from their shared memory */
+__global__ void __launch_bounds__(256) cluster_kernel(const uint4 *w, size_t off, const float *x, float *y) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    namespace cg = cooperative_groups;
+    cg::cluster_group cluster = cg::this_cluster();
+    __shared__ float mine;
+    float s = stream_body<true>(w, off, x);
+    if (threadIdx.x == 0) mine = s;
+    cluster.sync();
+    if (cluster.block_rank() == 0 && threadIdx.x < 32) {
+        float v = threadIdx.x < cluster.num_blocks() ? *cluster.map_shared_rank(&mine, threadIdx.x) : 0.0f;
+        v = warp_sum(v);
+        if (threadIdx.x == 0) y[(blockIdx.x / 16) % XN] = v * 1e-9f;
+    }
+    cluster.sync();
+#else
+    __trap();
+#endif
+}
+
+__global__ void empty_kernel(float *y) {
+    griddep_wait();
+    griddep_launch();
+    if (threadIdx.x == 0 && blockIdx.x == 0) y[0] += 1.0f;
+}
+
+enum { K_PRE, K_POST, K_LAST, K_CLUSTER, K_WAVES, K_EMPTY };
+static const char *kname[] = {"stream, loads before the wait", "stream, loads after the wait",
+                              "stream + last-block merge", "stream in clusters of 16 + DSMEM merge",
+                              "one wave (2 blocks per SM) looping", "empty"};
+static int nsm;
+
+static void enqueue(int kind, int G, int pdl, int i, const uint4 *w, float *xa, float *xb, float *part, int *counter,
+                    cudaStream_t st) {
+    cudaLaunchAttribute attr[2];
+    int na = 0;
+    if (pdl) {
+        attr[na].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr[na++].val.programmaticStreamSerializationAllowed = 1;
+    }
+    if (kind == K_CLUSTER) {
+        attr[na].id = cudaLaunchAttributeClusterDimension;
+        attr[na].val.clusterDim.x = 16;
+        attr[na].val.clusterDim.y = 1;
+        attr[na++].val.clusterDim.z = 1;
+    }
+    cudaLaunchConfig_t cfg = {};
+    int S = 1;                                      /* waves: G blocks' bytes from 2 blocks per SM */
+    if (kind == K_WAVES) { S = (G + 2 * nsm - 1) / (2 * nsm); G = 2 * nsm; }
+    cfg.gridDim = dim3(G);
+    cfg.blockDim = dim3(kind == K_EMPTY ? 32 : 256);
+    cfg.stream = st;
+    cfg.attrs = attr;
+    cfg.numAttrs = na;
+    /* launch i reads a fresh 32 KB per block: offsets walk the 2 GB buffer */
+    size_t per = (size_t)G * S * 8 * 256, n16 = BUF / 16;
+    size_t off = ((size_t)i * per) % (n16 - per);
+    const float *x = i & 1 ? xb : xa;
+    float *y = i & 1 ? xa : xb;
+    switch (kind) {
+    case K_PRE: CUDA_CHECK(cudaLaunchKernelEx(&cfg, stream_kernel<true>, w, off, x, y)); break;
+    case K_POST: CUDA_CHECK(cudaLaunchKernelEx(&cfg, stream_kernel<false>, w, off, x, y)); break;
+    case K_LAST: CUDA_CHECK(cudaLaunchKernelEx(&cfg, last_kernel, w, off, x, y, part, counter)); break;
+    case K_CLUSTER: CUDA_CHECK(cudaLaunchKernelEx(&cfg, cluster_kernel, w, off, x, y)); break;
+    case K_WAVES: CUDA_CHECK(cudaLaunchKernelEx(&cfg, waves_kernel, w, off, x, y, S)); break;
+    default: CUDA_CHECK(cudaLaunchKernelEx(&cfg, empty_kernel, y));
+    }
+}
+
+/* us per kernel over a graph of N launches replayed R times */
+static double time_chain(int kind, int G, int pdl, const uint4 *w, float *xa, float *xb, float *part, int *counter,
+                         cudaStream_t st) {
+    const int N = 240, R = 10;
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+    for (int i = 0; i < N; i++) enqueue(kind, G, pdl, i, w, xa, xb, part, counter, st);
+    CUDA_CHECK(cudaStreamEndCapture(st, &graph));
+    CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    cudaEvent_t e0, e1;
+    CUDA_CHECK(cudaEventCreate(&e0));
+    CUDA_CHECK(cudaEventCreate(&e1));
+    CUDA_CHECK(cudaGraphLaunch(exec, st));             /* warm-up */
+    CUDA_CHECK(cudaEventRecord(e0, st));
+    for (int r = 0; r < R; r++) CUDA_CHECK(cudaGraphLaunch(exec, st));
+    CUDA_CHECK(cudaEventRecord(e1, st));
+    CUDA_CHECK(cudaEventSynchronize(e1));
+    float ms;
+    CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    CUDA_CHECK(cudaEventDestroy(e0));
+    CUDA_CHECK(cudaEventDestroy(e1));
+    CUDA_CHECK(cudaGraphExecDestroy(exec));
+    CUDA_CHECK(cudaGraphDestroy(graph));
+    return ms * 1e3 / (N * R);
+}
+
+/* least squares t = a + b * MB over the rows with at least min_mb */
+static void fit(const double *mb, const double *us, int n, double min_mb, double *a, double *b) {
+    double s = 0, sx = 0, sy = 0, sxx = 0, sxy = 0;
+    for (int i = 0; i < n; i++) {
+        if (mb[i] < min_mb) continue;
+        s += 1; sx += mb[i]; sy += us[i]; sxx += mb[i] * mb[i]; sxy += mb[i] * us[i];
+    }
+    *b = (s * sxy - sx * sy) / (s * sxx - sx * sx);
+    *a = (sy - *b * sx) / s;
+}
+
+int main(void) {
+    cudaDeviceProp p;
+    CUDA_CHECK(cudaGetDeviceProperties(&p, 0));
+    nsm = p.multiProcessorCount;
+    printf("chain_lab: %s, %d SMs; each row: 240 launches in one graph, replayed 10 times\n\n", p.name, nsm);
+    uint4 *w;
+    float *xa, *xb, *part;
+    int *counter;
+    CUDA_CHECK(cudaMalloc(&w, BUF));
+    CUDA_CHECK(cudaMemset(w, 1, BUF));
+    CUDA_CHECK(cudaMalloc(&xa, XN * sizeof(float)));
+    CUDA_CHECK(cudaMalloc(&xb, XN * sizeof(float)));
+    CUDA_CHECK(cudaMalloc(&part, 8192 * sizeof(float)));
+    CUDA_CHECK(cudaMalloc(&counter, sizeof(int)));
+    CUDA_CHECK(cudaMemset(xa, 0, XN * sizeof(float)));
+    CUDA_CHECK(cudaMemset(xb, 0, XN * sizeof(float)));
+    CUDA_CHECK(cudaMemset(counter, 0, sizeof(int)));
+    cudaStream_t st;
+    CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    CUDA_CHECK(cudaFuncSetAttribute(cluster_kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+
+    const int Gs[] = {1, 16, 128, 256, 512, 1024, 2048, 4096};
+    const int nG = sizeof Gs / sizeof Gs[0];
+    printf("| kernel | PDL | blocks | MB a launch | us per kernel | GB/s |\n|---|---|---|---|---|---|\n");
+    for (int kind = K_PRE; kind <= K_EMPTY; kind++)
+        for (int pdl = 1; pdl >= 0; pdl--) {
+            if (kind != K_PRE && !pdl) continue;       /* without PDL: the stream kernel only */
+            double mb[16], us[16];
+            int n = 0;
+            for (int gi = 0; gi < nG; gi++) {
+                int G = Gs[gi];
+                if (kind == K_CLUSTER && G % 16) continue;
+                if (kind == K_LAST && G > 8192) continue;
+                if (kind == K_EMPTY && G > 128) continue;
+                if (kind == K_WAVES && G < 2 * nsm) continue;
+                double t = time_chain(kind, G, pdl, w, xa, xb, part, counter, st);
+                int Gw = kind == K_WAVES ? (G + 2 * nsm - 1) / (2 * nsm) * 2 * nsm : G;   /* blocks' worth of bytes */
+                double m = kind == K_EMPTY ? 0.0 : Gw * 32768.0 / 1e6;
+                mb[n] = m;
+                us[n++] = t;
+                printf("| %s | %s | %d | %.2f | %.2f | %.0f |\n", kname[kind], pdl ? "yes" : "no", G, m, t,
+                       m > 0 ? m * 1e6 / (t * 1e3) : 0.0);
+                fflush(stdout);
+            }
+            if (kind != K_EMPTY && n >= 3) {
+                double a, b;
+                fit(mb, us, n, 4.0, &a, &b);
+                printf("| fit (>= 4 MB): %s, PDL %s | | | | %.2f us + MB x %.3f us | %.0f |\n", kname[kind],
+                       pdl ? "yes" : "no", a, b, 1e3 / b);
+            }
+        }
+    CUDA_CHECK(cudaFree(w));
+    CUDA_CHECK(cudaFree(xa));
+    CUDA_CHECK(cudaFree(xb));
+    CUDA_CHECK(cudaFree(part));
+    CUDA_CHECK(cudaFree(counter));
+    return 0;
+}
