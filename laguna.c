@@ -750,10 +750,11 @@ static void moe(Model *m, int l, int n) {
     }
 }
 
-/* one K or V row into the cache: as is, or each element rounded to the nearest e4m3 value (--kv fp8: the values the
- * GPU's fp8 cache holds, kept in fp32 storage so the attention below is unchanged) */
-static void cache_put(float *dst, const float *src, int n, int fp8) {
-    for (int i = 0; i < n; i++) dst[i] = fp8 ? fp8_e4m3_round(src[i]) : src[i];
+/* one K or V row into the cache: as is, or each element rounded to the nearest e4m3 (--kv fp8) or bf16 value (--kv bf16
+ * on a bf16 file): the values the GPU's cache holds, kept in fp32 storage so the attention below is unchanged */
+static void cache_put(float *dst, const float *src, int n, int kv) {
+    for (int i = 0; i < n; i++)
+        dst[i] = kv == KV_FP8 ? fp8_e4m3_round(src[i]) : kv == KV_BF16 ? bf16_round(src[i]) : src[i];
 }
 
 float *forward(Model *m, const int *tokens, int n, int pos, int all_logits) {
@@ -761,6 +762,8 @@ float *forward(Model *m, const int *tokens, int n, int pos, int all_logits) {
     Weights *w = &m->weights;
     RunState *s = &m->state;
     int H = c->dim, D = c->head_dim, KVD = c->kv_dim;
+    /* what the K/V cache rounds to (--kv): fp8, bf16 (asked for, on a bf16 file: as the GPU keeps it), or nothing */
+    int kv_round = m->kv == KV_FP8 ? KV_FP8 : m->kv == KV_BF16 && model_plain_dtype(m) != DT_F32 ? KV_BF16 : 0;
 
     /* token embedding: h = embed[token] (no scaling) */
     for (int t = 0; t < n; t++) weight_row(s->x + (size_t)t * H, &w->embed, tokens[t], H);
@@ -789,8 +792,8 @@ float *forward(Model *m, const int *tokens, int n, int pos, int all_logits) {
                      c->rope_scaling[type]);
             /* append K/V at the position's row (full layers: the position; sliding: a ring) */
             size_t row = (size_t)((pos + t) % rows);
-            cache_put(s->key_cache[l] + row * KVD, s->k + (size_t)t * KVD, KVD, m->kv == KV_FP8);
-            cache_put(s->value_cache[l] + row * KVD, s->v + (size_t)t * KVD, KVD, m->kv == KV_FP8);
+            cache_put(s->key_cache[l] + row * KVD, s->k + (size_t)t * KVD, KVD, kv_round);
+            cache_put(s->value_cache[l] + row * KVD, s->v + (size_t)t * KVD, KVD, kv_round);
         }
         attention(m, l, n, pos);
         /* softplus output gate from the normed layer input, per head (or per element) */
@@ -1453,8 +1456,8 @@ static void usage(FILE *f) {
         "  --cpu         use the CPU even when a GPU is available\n"
         "  --chunk N     most tokens per forward pass (prefill chunk; default 64 on the CPU, 2048 on the GPU)\n"
         "  --kv TYPE     KV cache: bf16 (the GPU's default for bf16 models), f32 (GPU: 2x the memory, exact\n"
-        "                attention inputs) or fp8 (e4m3, half of bf16; the CPU rounds to it too); the CPU keeps\n"
-        "                fp32 otherwise\n"
+        "                attention inputs) or fp8 (e4m3, half of bf16); the CPU keeps fp32 unless asked for\n"
+        "                fp8, or bf16 on a bf16 model: then it rounds K and V to it, as the GPU stores them\n"
         "  --tokenize TEXT        print the token ids of TEXT (no BOS) and exit\n"
         "  --score IDS_FILE       teacher-forced pass over the ids: mean NLL and perplexity of tokens 2..n\n"
         "  --logits OUT           with --score: write float32 logits [n][vocab] to OUT; while generating:\n"

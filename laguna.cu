@@ -2273,9 +2273,7 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
     g->T = max_tokens;
     /* the dtype of what is not quantized: the embedding's, or in a quantized file the router's */
     const Weights *mw = &m->weights;
-    int plain = mw->embed.dtype;
-    for (int l = 0; l < c->n_layers && is_quant(plain); l++)
-        if (c->mlp_type[l] == MLP_SPARSE) plain = mw->layers[l].router.dtype;
+    int plain = model_plain_dtype(m);
     g->bf = plain != DT_F32;
     /* the target's --kv (a drafter's Model says KV_AUTO: its ring keeps its weights' dtype); bf16 on an f32 file
      * stays f32 */

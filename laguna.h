@@ -177,10 +177,29 @@ typedef struct {
     int kv;                  /* --kv: KV_AUTO (the weights' dtype on the GPU), KV_BF16, KV_F32 or KV_FP8 */
 } Model;
 
-/* The KV cache's element type (--kv). The GPU stores it; the CPU always stores fp32, and with KV_FP8 rounds each K
- * and V element to e4m3 as it is appended, so both backends attend over the same values. KV_BF16 on an f32 file
- * keeps the cache in f32, as KV_AUTO does. */
+/* The KV cache's element type (--kv). The GPU stores it; the CPU always stores fp32, and with KV_FP8 (or KV_BF16 given
+ * explicitly on a file whose plain dtype is bf16) rounds each K and V element to e4m3 (bf16) as it is appended, so
+ * both backends attend over the same values. KV_BF16 on an f32 file keeps the cache in f32, as KV_AUTO does. */
 enum { KV_AUTO = 0, KV_BF16 = 1, KV_F32 = 2, KV_FP8 = 3 };
+
+/* The dtype of a model's unquantized weights: the embedding's, or in a q8 / q4 file (whose embedding is q8 too) the
+ * routers'. bf16 means bf16 activations for the GPU's GEMMs and, by default, a bf16 KV cache there. */
+static inline int model_plain_dtype(const Model *m) {
+    int dt = m->weights.embed.dtype;
+    for (int l = 0; l < m->config.n_layers && (dt == DT_Q8 || dt == DT_Q4); l++)
+        if (m->config.mlp_type[l] == MLP_SPARSE) dt = m->weights.layers[l].router.dtype;
+    return dt;
+}
+
+/* fp32 rounded to the nearest bf16 value, ties to even (NaN stays NaN, infinities stay): what a bf16 cache holds */
+static inline float bf16_round(float f) {
+    union { float f; uint32_t u; } b;
+    b.f = f;
+    if ((b.u & 0x7F800000u) == 0x7F800000u) b.u = (b.u & 0x7FFFFFu) ? (b.u | 0x400000u) : b.u;   /* NaN: quiet */
+    else b.u += 0x7FFFu + ((b.u >> 16) & 1u);
+    b.u &= 0xFFFF0000u;
+    return b.f;
+}
 
 /* laguna.c */
 int load_model(Model *m, const char *path, int kind, char *err, size_t errsz);

@@ -10,6 +10,8 @@ For each fixture, test/data/fixtures/NAME/ holds
     score.txt      the ids of the teacher-forced sequence
     logits.npy     float32 reference logits for the rows in rows.npy of score.txt
     rows.npy       which rows of the logits are kept (all of them for short sequences)
+    logits_kvbf16.npy  (bf16 fixtures) the same with every K and V rounded to bf16 as the cache takes it (a cache
+                   subclass): what laguna's --kv bf16 computes; `--kv-bf16-only` remakes these alone
     ref.json       rope tables (inv_freq as hex) and attention scaling, as transformers computed them
 plus test/data/fixtures/rope_cases.json: transformers' rope tables for config variants (config drift).
 
@@ -110,9 +112,47 @@ def hexs(t):
     return " ".join("%08x" % x for x in t.detach().float().numpy().view(np.uint32))
 
 
+def load_ref(hf):
+    """the checkpoint in fp32 math, eager attention and eager experts"""
+    ref = LagunaForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    ref.config._attn_implementation = "eager"
+    ref.config._experts_implementation = "eager"
+    try:
+        ref.set_attn_implementation("eager")
+        ref.set_experts_implementation("eager")
+    except Exception:
+        pass
+    return ref
+
+
+class BF16KVCache(transformers.DynamicCache):
+    """a cache that keeps K and V rounded to bf16 (round to nearest even), as they come from q/k norm and RoPE"""
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        rnd = lambda t: t.to(torch.bfloat16).to(t.dtype)
+        return super().update(rnd(key_states), rnd(value_states), layer_idx, *args, **kwargs)
+
+
+def kv_bf16_fixtures():
+    """logits_kvbf16.npy for the bf16 fixtures: score.txt through the reference with a bf16-rounding cache"""
+    for name, fx in FIXTURES.items():
+        d = os.path.join(OUT, name)
+        if fx["dtype"] != "bf16" or not os.path.exists(d):
+            continue
+        ref = load_ref(os.path.join(d, "hf"))
+        ids = torch.tensor([int(x) for x in open(os.path.join(d, "score.txt")).read().split()])
+        with torch.no_grad():
+            logits = ref(ids[None], past_key_values=BF16KVCache(config=ref.config), use_cache=True).logits[0]
+        rows = np.load(os.path.join(d, "rows.npy"))
+        np.save(os.path.join(d, "logits_kvbf16.npy"), logits.float().numpy()[rows].astype(np.float32))
+        base = np.load(os.path.join(d, "logits.npy"))
+        print(f"{name}: logits_kvbf16.npy, max |kv bf16 - fp32 cache| {np.abs(logits.numpy()[rows] - base).max():.3g}")
+
+
 def main():
     if sys.argv[1:] == ["--rope-only"]:
         return rope_cases()
+    if sys.argv[1:] == ["--kv-bf16-only"]:
+        return kv_bf16_fixtures()
     if sys.argv[1:] == ["--dflash-only"]:
         return dflash_fixtures()
     print("transformers", transformers.__version__, "torch", torch.__version__)
@@ -139,14 +179,7 @@ def main():
                 if os.path.isfile(os.path.join(TOK_DIR, f)):
                     shutil.copy(os.path.join(TOK_DIR, f), hf)
         # ... and the reference runs it in fp32 (bf16 weights upcast): the math laguna does
-        ref = LagunaForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
-        ref.config._attn_implementation = "eager"
-        ref.config._experts_implementation = "eager"
-        try:
-            ref.set_attn_implementation("eager")
-            ref.set_experts_implementation("eager")
-        except Exception:
-            pass
+        ref = load_ref(hf)
         V = cfg.vocab_size
         n = fx["prompt_len"]
         ids = torch.randint(70 if V > 512 else 3 if V > 16 else 1, V - 1 if V <= 16 else V, (n,), generator=gen)
@@ -188,6 +221,7 @@ def main():
               + (f", {len(names)} tensors" if names else ""))
     if only:
         return
+    kv_bf16_fixtures()
     rope_cases()
     dflash_fixtures()
 
