@@ -1459,39 +1459,48 @@ __global__ void __launch_bounds__(256) moe_gate_up_decode(WPtr experts_gu, int I
     }
 }
 
+/* the sum over aligned groups of LW lanes (LW a power of two <= 32): every lane of a group gets its group's sum */
+template <int LW> __device__ __forceinline__ float group_sum(float v) {
+#pragma unroll
+    for (int o = LW / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
 /* Decode (one token): all down projections of a layer in one launch with the weighted sum and the residual:
  * x[j] += always_down[j] . hs + scaling * sum_a w_a * down_{e_a}[j] . h_a, experts in ascending id (the CPU's
- * order). One warp per output row; the first 8 experts' and the always-on row's first 512 columns (all of them at
- * I = S = 512: 18 loads per lane; quantized, UD = 1 chunk per lane and row: 16 (Q8) or 32 (Q4) columns per lane)
- * are loaded BEFORE the wait on moe_gate_up_decode. The plan (active, n_active, pair_w) is the router's, two
- * kernels back: every kernel of the chain waits before it lets its successor start, so when this one starts the
- * router has completed. Only h_pair / hs (the previous kernel's) need the wait. */
-template <typename W>
+ * order). A group of LW = 32 / RW lanes per output row (RW rows per warp: the host picks RW so that a row's columns
+ * keep its lanes busy, e.g. 2 for Q4 at I = 512, whose 16 chunks of 32 columns left half of a whole warp idle);
+ * UD chunks per lane and step (bf16 / f32 2 of 8 columns, quantized 1 of 16 (Q8) or 32 (Q4)). The first 8 experts'
+ * and the always-on row's first step are loaded BEFORE the wait on moe_gate_up_decode. The plan (active, n_active,
+ * pair_w) is the router's, two kernels back: every kernel of the chain waits before it lets its successor start,
+ * so when this one starts the router has completed. Only h_pair / hs (the previous kernel's) need the wait. */
+template <typename W, int RW>
 __global__ void __launch_bounds__(256, 2) moe_down_decode(float *x, WPtr experts_down, int I, WPtr always_down,
                                                        int S, int H, const int *active, const int *n_active,
                                                        const float *pair_w, const float *h_pair, const float *hs,
                                                        float scaling) {
-    constexpr int CH = Fmt<W>::CH, UD = is_q<W> ? 1 : 2, KS = 32 * UD * CH;   /* KS: columns per step */
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, j = blockIdx.x * 8 + warp;
-    const bool row = j < H;
+    constexpr int CH = Fmt<W>::CH, UD = is_q<W> ? 1 : 2, LW = 32 / RW, KS = LW * UD * CH;   /* KS: columns per step */
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, lr = lane % LW;
+    const int j = (blockIdx.x * 8 + warp) * RW + lane / LW, jr = min(j, H - 1);   /* jr: rows past H read the last */
     const int na = n_active ? *n_active : 0;
     typename Fmt<W>::Chunk c[8][UD], cs[UD];
-    auto load_group = [&](int a0, int k0) {          /* UD chunks (from column k0 + lane * CH) of experts a0..a0+7 */
+    auto load_group = [&](int a0, int k0) {          /* UD chunks (from column k0 + lr * CH) of experts a0..a0+7 */
 #pragma unroll
         for (int a = 0; a < 8; a++)
 #pragma unroll
             for (int u = 0; u < UD; u++)
-                if (row && a0 + a < na && k0 + (lane + 32 * u) * CH < I)
-                    c[a][u] = wload<W>(wrow<W>(experts_down, (size_t)active[a0 + a] * H + j, I), k0 + (lane + 32 * u) * CH);
+                if (a0 + a < na && k0 + (lr + LW * u) * CH < I)
+                    c[a][u] = wload<W>(wrow<W>(experts_down, (size_t)active[a0 + a] * H + jr, I),
+                                       k0 + (lr + LW * u) * CH);
     };
     load_group(0, 0);
-    const WPtr ws = wrow<W>(always_down, j, S);
+    const WPtr ws = wrow<W>(always_down, jr, S);
 #pragma unroll
     for (int u = 0; u < UD; u++)
-        if (row && (lane + 32 * u) * CH < S) cs[u] = wload<W>(ws, (lane + 32 * u) * CH);
+        if ((lr + LW * u) * CH < S) cs[u] = wload<W>(ws, (lr + LW * u) * CH);
     griddep_wait();                                   /* h_pair and hs */
     griddep_launch();
-    if (!row) return;
+    if ((blockIdx.x * 8 + warp) * RW >= H) return;   /* (the whole warp) */
     float routed = 0.0f;
     for (int a0 = 0; a0 < na; a0 += 8) {
         float acc[8] = {};
@@ -1501,7 +1510,7 @@ __global__ void __launch_bounds__(256, 2) moe_down_decode(float *x, WPtr experts
             for (int a = 0; a < 8; a++)
 #pragma unroll
                 for (int u = 0; u < UD; u++) {
-                    int k = k0 + (lane + 32 * u) * CH;
+                    int k = k0 + (lr + LW * u) * CH;
                     if (a0 + a < na && k < I)
                         chunk_dot<W, 1>(&c[a][u], I - k, [&](int bb, float f[8]) {
                             load_x8(h_pair + (size_t)(a0 + a) * I + k + 8 * bb, f);
@@ -1510,22 +1519,22 @@ __global__ void __launch_bounds__(256, 2) moe_down_decode(float *x, WPtr experts
         }
 #pragma unroll
         for (int a = 0; a < 8; a++)
-            if (a0 + a < na) routed += pair_w[a0 + a] * warp_sum(acc[a]);
+            if (a0 + a < na) routed += pair_w[a0 + a] * group_sum<LW>(acc[a]);
     }
     float sh = 0.0f;
     for (int k0 = 0; k0 < S; k0 += KS) {
         if (k0)
 #pragma unroll
             for (int u = 0; u < UD; u++)
-                if (k0 + (lane + 32 * u) * CH < S) cs[u] = wload<W>(ws, k0 + (lane + 32 * u) * CH);
+                if (k0 + (lr + LW * u) * CH < S) cs[u] = wload<W>(ws, k0 + (lr + LW * u) * CH);
 #pragma unroll
         for (int u = 0; u < UD; u++) {
-            int k = k0 + (lane + 32 * u) * CH;
+            int k = k0 + (lr + LW * u) * CH;
             if (k < S) chunk_dot<W, 1>(&cs[u], S - k, [&](int bb, float f[8]) { load_x8(hs + k + 8 * bb, f); }, &sh);
         }
     }
-    sh = warp_sum(sh);
-    if (lane == 0) x[j] += sh + routed * scaling;
+    sh = group_sum<LW>(sh);
+    if (lr == 0 && j < H) x[j] += sh + routed * scaling;
 }
 
 /* x[t] += ys[t] + scaling * sum_j w_j * y_pair[(t, j)], the slots summed in ascending expert id */
@@ -1977,6 +1986,7 @@ struct GpuModel {
     int pdl;                 /* programmatic dependent launch for the decode kernels (LAGUNA_NO_PDL=1: off) */
     int pdl_now;             /* set while enqueueing a one-token forward */
     int dup, nlaunch;        /* LAGUNA_DUP=k: the k-th decode launch of every layer enqueued twice (a timing hook) */
+    int down_rw1;            /* LAGUNA_DOWN_RW=1: moe_down_decode with one row per warp whatever the widths */
     int moe_general;         /* LAGUNA_MOE_GENERAL=1: decode's gate/up by the general kernel (what H > 2048 takes) */
     int attn_cluster;        /* one-token attention of sliding layers as clusters of this many splits (0: global merge) */
     int cluster_y;           /* set while launching a clustered kernel (launch()) */
@@ -2283,6 +2293,7 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
     g->pdl = !getenv("LAGUNA_NO_PDL");
     g->dup = getenv("LAGUNA_DUP") ? atoi(getenv("LAGUNA_DUP")) : -1;
     g->moe_general = getenv("LAGUNA_MOE_GENERAL") != NULL;     /* so the tests reach that path at small shapes */
+    g->down_rw1 = getenv("LAGUNA_DOWN_RW") && atoi(getenv("LAGUNA_DOWN_RW")) == 1;
     int D = c->head_dim, H = c->dim, KVD = c->kv_dim, T = max_tokens, E = c->n_experts, K = c->n_experts_active;
     /* formats: the matmul weights all quantized alike (q8 or q4) or none of them; the embedding (and with it a tied
      * lm_head) and lm_head may be quantized on their own (export.py: the embedding is q8 in q4 files too); the
@@ -2656,6 +2667,16 @@ static void attention(GpuModel *g, int l, int n, int pos) {
     LAUNCH_CHECK();
 }
 
+/* rows per warp of moe_down_decode: lanes enough for a row's widest matrix (I or S columns, a step's worth), a power
+ * of two; LAGUNA_DOWN_RW=1 keeps one row per warp (to compare) */
+template <typename W>
+static int down_rw(const GpuModel *g, int I, int S) {
+    constexpr int per = (is_q<W> ? 1 : 2) * Fmt<W>::CH;   /* columns per lane and step */
+    int cols = I > S ? I : S, lanes = (cols + per - 1) / per, lw = 1;
+    while (lw < lanes && lw < 32) lw *= 2;
+    return g->down_rw1 ? 1 : 32 / lw;
+}
+
 template <typename W, typename P>
 static void mlp_decode(GpuModel *g, int l) {
     const Config *c = &g->c;
@@ -2674,12 +2695,18 @@ static void mlp_decode(GpuModel *g, int l) {
                     (const int *)g->pair_tok, (const int *)g->active, (const int *)(NI), KA, g->h_pair, \
                     (KA) ? g->hs : g->mlp_act); \
     } while (0)
+    /* down (+ the weighted sum and the residual): RW rows per warp (down_rw) */
+#define DOWN_RW(R, EDN, II, ACT, NA, PW, HP, HS, SC) launch(g, moe_down_decode<W, R>, \
+        dim3((H + 8 * (R) - 1) / (8 * (R))), dim3(256), 0, g->x, EDN, II, down, L->hid, H, (const int *)(ACT), \
+        (const int *)(NA), (const float *)(PW), (const float *)(HP), (const float *)(HS), SC)
+#define DOWN(RWV, ...) do { switch (RWV) { \
+        case 8: DOWN_RW(8, __VA_ARGS__); break; case 4: DOWN_RW(4, __VA_ARGS__); break; \
+        case 2: DOWN_RW(2, __VA_ARGS__); break; default: DOWN_RW(1, __VA_ARGS__); } } while (0)
     if (L->dense) {
         launch(g, rmsnorm_kernel, dim3(1), dim3(256), 0, g->xb, (const float *)g->x, H, (const float *)L->ffn_norm, H,
                c->norm_eps);
         GATE_UP(WPtr(NULL), NULL, 0);
-        launch(g, moe_down_decode<W>, dim3((H + 7) / 8), dim3(256), 0, g->x, WPtr(NULL), 0, down,
-               L->hid, H, NULL, NULL, NULL, NULL, (const float *)g->mlp_act, 0.0f);
+        DOWN(down_rw<W>(g, 0, L->hid), WPtr(NULL), 0, NULL, NULL, NULL, NULL, g->mlp_act, 0.0f);
         return;
     }
     /* route: router logits from the normed x (the norm folded into the matvec, which also leaves xb) and the
@@ -2695,9 +2722,9 @@ static void mlp_decode(GpuModel *g, int l) {
 #undef ROUTE
     GATE_UP(egu, g->n_active, K);
 #undef GATE_UP
-    launch(g, moe_down_decode<W>, dim3((H + 7) / 8), dim3(256), 0, g->x, edn, I, down, L->hid, H,
-           (const int *)g->active, (const int *)g->n_active, (const float *)g->pair_w, (const float *)g->h_pair,
-           (const float *)g->hs, c->routed_scaling);
+    DOWN(down_rw<W>(g, I, L->hid), edn, I, g->active, g->n_active, g->pair_w, g->h_pair, g->hs, c->routed_scaling);
+#undef DOWN_RW
+#undef DOWN
 }
 
 /* the shared expert of n tokens: plain GEMMs over all tokens */

@@ -319,7 +319,7 @@ int main() {
             if (which == 0 && round == 1) moe_gate_up<bf16><<<K * (I / 8) + S / 8, 256>>>(gu, I, sgu, S, H, xb, 1, st, ptok, ac, nact, K, hp, hs);
             else if (which == 0) moe_gate_up_decode<bf16, 8><<<S / 8 + K * (I / 8), 256>>>(gu, I, sgu, S, H, xb, ac, nact, hp, hs);
             else if (round == 1) moe_down_decode_r1<bf16><<<H / 8, 256>>>(x, dn, I, sdn, S, H, ac, nact, st, pw, hp, hs, 2.5f);
-            else moe_down_decode<bf16><<<H / 8, 256>>>(x, dn, I, sdn, S, H, ac, nact, pw, hp, hs, 2.5f);
+            else moe_down_decode<bf16, 1><<<H / 8, 256>>>(x, dn, I, sdn, S, H, ac, nact, pw, hp, hs, 2.5f);
             LAUNCH_CHECK();
         };
         /* cuBLAS alternative: one GEMM (n = 1) per expert matrix */
