@@ -415,19 +415,30 @@ __global__ void __launch_bounds__(256, NCH == 1 && ROWS < 8 ? 3 : 2) matvec_kern
  * rows (a step), RPW steps per warp. Each lane's NCH chunks of the first step's rows are loaded before the wait on
  * the previous kernel, the next step's before the current one is summed. x (normed when norm_w is given: the
  * block's sum of squares) is staged once per block in shared memory: RPW > 1 spreads that L2 read over more rows. */
-template <typename W, int NCH, int RPW>
+template <typename W, int NCH, int RPW, bool PRE>
 __global__ void __launch_bounds__(256) matvec_warp(float *out, WPtr w, int rows, int in, const float *x,
                                                    const float *norm_w, float eps, float *xb_out, const float *bias,
                                                    int accumulate) {
-    constexpr int CH = Fmt<W>::CH, RG = Fmt<W>::RG;
+    constexpr int CH = Fmt<W>::CH, RG = Fmt<W>::RG, NW = CH * NCH / 8;   /* NW: norm weights a thread applies */
     __shared__ __align__(16) float xs[32 * CH * NCH];
     const int tid = threadIdx.x, lane = tid & 31, r0 = (blockIdx.x * 8 + (tid >> 5)) * RPW * RG;
     typename Fmt<W>::Chunk c[2][NCH][RG];          /* [step & 1][u][row of the step]; past the end: the last row */
+    auto load_step = [&](int j) {
 #pragma unroll
-    for (int u = 0; u < NCH; u++)
-        if ((lane + 32 * u) * CH < in)
+        for (int u = 0; u < NCH; u++)
+            if ((lane + 32 * u) * CH < in)
 #pragma unroll
-            for (int i = 0; i < RG; i++) c[0][u][i] = wload<W>(wrow<W>(w, min(r0 + i, rows - 1), in), (lane + 32 * u) * CH);
+                for (int i = 0; i < RG; i++)
+                    c[j & 1][u][i] = wload<W>(wrow<W>(w, min(r0 + j * RG + i, rows - 1), in), (lane + 32 * u) * CH);
+    };
+    load_step(0);
+    /* PRE: the second step's weights and this thread's norm weights too, before the wait (after it only x is read) */
+    float nwv[NW];
+    if constexpr (PRE) {
+        if (RPW > 1) load_step(1);
+#pragma unroll
+        for (int i = 0; i < NW; i++) nwv[i] = norm_w && tid + 256 * i < in ? norm_w[tid + 256 * i] : 0.0f;
+    }
     griddep_wait();                                 /* x is the previous kernel's output */
     griddep_launch();
     float ss = 0.0f;
@@ -438,22 +449,19 @@ __global__ void __launch_bounds__(256) matvec_warp(float *out, WPtr w, int rows,
     }
     if (norm_w) {                                   /* each thread rescales the elements it staged */
         float inv = 1.0f / sqrtf(block_sum(ss) / in + eps);
-        for (int k = tid; k < in; k += 256) {
+#pragma unroll
+        for (int i = 0; i < NW; i++) {
+            int k = tid + 256 * i;
+            if (k >= in) break;
             float &v = xs_at<CH>(xs, k);
-            v = norm_w[k] * (v * inv);
+            v = (PRE ? nwv[i] : norm_w[k]) * (v * inv);
             if (xb_out && blockIdx.x == 0) xb_out[k] = v;
         }
     }
     __syncthreads();
 #pragma unroll
     for (int j = 0; j < RPW; j++) {
-        if (j + 1 < RPW)
-#pragma unroll
-            for (int u = 0; u < NCH; u++)
-                if ((lane + 32 * u) * CH < in)
-#pragma unroll
-                    for (int i = 0; i < RG; i++)
-                        c[(j + 1) & 1][u][i] = wload<W>(wrow<W>(w, min(r0 + (j + 1) * RG + i, rows - 1), in), (lane + 32 * u) * CH);
+        if (j + 1 < RPW && !(PRE && j == 0)) load_step(j + 1);
         float acc[RG] = {};
 #pragma unroll
         for (int u = 0; u < NCH; u++) {
@@ -2012,6 +2020,7 @@ struct GpuModel {
     int pdl;                 /* programmatic dependent launch for the decode kernels (LAGUNA_NO_PDL=1: off) */
     int pdl_now;             /* set while enqueueing a one-token forward */
     int dup, nlaunch;        /* LAGUNA_DUP=k: the k-th decode launch of every layer enqueued twice (a timing hook) */
+    int mv_prewait;          /* matvec_warp loads both steps and its norm weights before the wait (LAGUNA_MV_PREWAIT=0: one) */
     int down_rw1;            /* LAGUNA_DOWN_RW=1: moe_down_decode with one row per warp whatever the widths */
     int moe_general;         /* LAGUNA_MOE_GENERAL=1: decode's gate/up by the general kernel (what H > 2048 takes) */
     int attn_cluster;        /* one-token attention of sliding layers as clusters of this many splits (0: global merge) */
@@ -2320,6 +2329,7 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
     g->dup = getenv("LAGUNA_DUP") ? atoi(getenv("LAGUNA_DUP")) : -1;
     g->moe_general = getenv("LAGUNA_MOE_GENERAL") != NULL;     /* so the tests reach that path at small shapes */
     g->down_rw1 = getenv("LAGUNA_DOWN_RW") && atoi(getenv("LAGUNA_DOWN_RW")) == 1;
+    g->mv_prewait = !(getenv("LAGUNA_MV_PREWAIT") && atoi(getenv("LAGUNA_MV_PREWAIT")) == 0);
     int D = c->head_dim, H = c->dim, KVD = c->kv_dim, T = max_tokens, E = c->n_experts, K = c->n_experts_active;
     /* formats: the matmul weights all quantized alike (q8 or q4) or none of them; the embedding (and with it a tied
      * lm_head) and lm_head may be quantized on their own (export.py: the embedding is q8 in q4 files too); the
@@ -2605,11 +2615,13 @@ static void matvec(GpuModel *g, float *out, const void *w, int rows, int in, con
     /* in <= 2048: a warp per RG rows (Fmt), 2 steps per warp (x staged once per 16 * RG rows). Measured on
      * the H200 in the decode graph (dev/gpu_notes.md, round 2, bf16): 317 tok/s with 2 rows per warp, 311 with 4,
      * 292 with 1, 309 with the block-rows kernel below; the block-rows kernel wins for the 8192-wide o_proj */
-#define MVW(R) launch(g, matvec_warp<W, 64 / CH, R>, dim3((rows + 8 * R * RG - 1) / (8 * R * RG)), dim3(256), 0, out, m, \
-                      rows, in, x, norm_w, g->c.norm_eps, xb_out, bias, accumulate)
+#define MVW_P(R, PRE) launch(g, matvec_warp<W, 64 / CH, R, PRE>, dim3((rows + 8 * R * RG - 1) / (8 * R * RG)), \
+                             dim3(256), 0, out, m, rows, in, x, norm_w, g->c.norm_eps, xb_out, bias, accumulate)
+#define MVW(R) do { if (g->mv_prewait) MVW_P(R, true); else MVW_P(R, false); } while (0)
     int nch = (in + 256 * CH - 1) / (256 * CH);    /* chunks per thread and row in the block-rows kernel */
     if (in <= 2048) MVW(2);
 #undef MVW
+#undef MVW_P
     else if (nch <= 1) MV(8, 1);
     else if (nch <= 2) MV(4, 2);
     else if (nch <= 4) MV(2, 4);

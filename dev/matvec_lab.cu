@@ -159,7 +159,7 @@ __global__ void __launch_bounds__(256, 2) moe_down_decode_r1(float *x, const W *
 
 /* D: laguna.cu's warp-per-row decode matvec with R rows per warp */
 static void matvec_d(int R, float *y, const bf16 *w, int rows, int in, const float *x, const float *nw) {
-#define MVD(RR) matvec_warp<bf16, 8, RR><<<(rows + 8 * RR - 1) / (8 * RR), 256>>>(y, w, rows, in, x, nw, 1e-6f, NULL, NULL, 0)
+#define MVD(RR) matvec_warp<bf16, 8, RR, false><<<(rows + 8 * RR - 1) / (8 * RR), 256>>>(y, w, rows, in, x, nw, 1e-6f, NULL, NULL, 0)
     if (R == 1) MVD(1); else if (R == 2) MVD(2); else MVD(4);
 #undef MVD
 }
