@@ -818,7 +818,9 @@ __global__ void attention_scalar(const float *qkvg, int NQ, int n, int g, int nh
  *   block that owns the new key writes it to the cache (rounded to the cache type, as used here).
  * - Per tile: scores to shared memory; per head the running max and sum (fixed shuffle trees); then p . V into
  *   per-thread accumulators. The next tile's loads are issued before the current one is computed.
- * - The last active block of each kv head merges the splits in split order (deterministic) and applies the gate. */
+ * - The last active block of each kv head merges the splits in split order (deterministic) and applies the gate;
+ *   with CL > 0 (sliding layers on sm_90) the CL splits of a kv head are one thread-block cluster instead, and block
+ *   j merges head j from the others' shared memory (no fence, counter or global partials). */
 struct KV8 { uint4 a, b; };   /* 8 cache values in flight: fp8 uses a.x and a.y, bf16 a, f32 a and b */
 __device__ __forceinline__ KV8 kv_raw(const fp8 *p) {
     uint2 w = ld_stream8(p);
