@@ -2022,6 +2022,7 @@ struct GpuModel {
     int pdl;                 /* programmatic dependent launch for the decode kernels (LAGUNA_NO_PDL=1: off) */
     int pdl_now;             /* set while enqueueing a one-token forward */
     int dup, nlaunch;        /* LAGUNA_DUP=k: the k-th decode launch of every layer enqueued twice (a timing hook) */
+    int lm_rpw;              /* LAGUNA_LMHEAD_RPW: rows per warp of lm_head-sized matvecs (2, 4 or 8; an experiment) */
     int mv_prewait;          /* matvec_warp loads both steps and its norm weights before the wait (LAGUNA_MV_PREWAIT=0: one) */
     int down_rw1;            /* LAGUNA_DOWN_RW=1: moe_down_decode with one row per warp whatever the widths */
     int moe_general;         /* LAGUNA_MOE_GENERAL=1: decode's gate/up by the general kernel (what H > 2048 takes) */
@@ -2331,6 +2332,7 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
     g->dup = getenv("LAGUNA_DUP") ? atoi(getenv("LAGUNA_DUP")) : -1;
     g->moe_general = getenv("LAGUNA_MOE_GENERAL") != NULL;     /* so the tests reach that path at small shapes */
     g->down_rw1 = getenv("LAGUNA_DOWN_RW") && atoi(getenv("LAGUNA_DOWN_RW")) == 1;
+    g->lm_rpw = getenv("LAGUNA_LMHEAD_RPW") ? atoi(getenv("LAGUNA_LMHEAD_RPW")) : 2;
     g->mv_prewait = !(getenv("LAGUNA_MV_PREWAIT") && atoi(getenv("LAGUNA_MV_PREWAIT")) == 0);
     int D = c->head_dim, H = c->dim, KVD = c->kv_dim, T = max_tokens, E = c->n_experts, K = c->n_experts_active;
     /* formats: the matmul weights all quantized alike (q8 or q4) or none of them; the embedding (and with it a tied
@@ -2621,7 +2623,10 @@ static void matvec(GpuModel *g, float *out, const void *w, int rows, int in, con
                              dim3(256), 0, out, m, rows, in, x, norm_w, g->c.norm_eps, xb_out, bias, accumulate)
 #define MVW(R) do { if (g->mv_prewait) MVW_P(R, true); else MVW_P(R, false); } while (0)
     int nch = (in + 256 * CH - 1) / (256 * CH);    /* chunks per thread and row in the block-rows kernel */
-    if (in <= 2048) MVW(2);
+    /* (lm_head-sized matrices: LAGUNA_LMHEAD_RPW=4 / 8 rows per warp, staging x once per 32 / 64 rows; to measure) */
+    if (in <= 2048 && rows >= 32768 && g->lm_rpw == 8) MVW(8);
+    else if (in <= 2048 && rows >= 32768 && g->lm_rpw == 4) MVW(4);
+    else if (in <= 2048) MVW(2);
 #undef MVW
 #undef MVW_P
     else if (nch <= 1) MV(8, 1);

@@ -1,7 +1,8 @@
 #!/bin/bash
 # dev/device_next.sh -- one device call (~9 min, one H200) for branch `next`: build; dev/chain_lab; decode at 512
 # (and 8K) for bf16 / q8 / q4 with this branch's defaults and with each change switched off (LAGUNA_MV_PREWAIT=0:
-# matvec_warp loads its second step after the wait; LAGUNA_DOWN_RW=1: the down projection one row per warp); fp8-cache
+# matvec_warp loads its second step after the wait; LAGUNA_DOWN_RW=1: the down projection one row per warp;
+# LAGUNA_LMHEAD_RPW=2/4/8: lm_head's rows per warp, twice each); fp8-cache
 # prefill and decode at 8K / 32K / 131K (the flash kernel's register-fetched fp8 tiles); then `make test-gpu` with
 # what time is left (TESTS=0 skips it: the full suite takes ~6 min, so it may want a call of its own).
 # Logs under $OUT: summary.txt (the lines to read), build.log, chain.log, b_*.log, test.log.
@@ -32,6 +33,9 @@ for dt in bf16 q4 q8; do
     f=/dev/shm/xn-$dt.bin
     b $dt $f 512 8192
     ( export LAGUNA_MV_PREWAIT=0; b ${dt}_noprewait $f 512 )
+    if [ $dt = bf16 ]; then      # lm_head rows per warp, each twice (run-to-run noise is ~1%)
+        for r in 2 4 8 2 4 8; do ( export LAGUNA_LMHEAD_RPW=$r; b bf16_lm$r $f 512 ); done
+    fi
     [ $dt != bf16 ] && ( export LAGUNA_DOWN_RW=1; b ${dt}_rw1 $f 512 )
     [ $dt = bf16 ] && b fp8 $f --kv fp8 8192 32768 131072
     rm -f $f
