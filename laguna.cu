@@ -413,7 +413,8 @@ __global__ void __launch_bounds__(256, NCH == 1 && ROWS < 8 ? 3 : 2) matvec_kern
 
 /* Decode matvec for tall matrices with in <= 32 * CH * NCH inputs (q/k/v/g, dense gate+up, lm_head): a warp per RG
  * rows (a step), RPW steps per warp. Each lane's NCH chunks of the first step's rows are loaded before the wait on
- * the previous kernel, the next step's before the current one is summed. x (normed when norm_w is given: the
+ * the previous kernel, the next step's before the current one is summed (PRE: the second step's, and the thread's
+ * RMSNorm weights, before the wait too). x (normed when norm_w is given: the
  * block's sum of squares) is staged once per block in shared memory: RPW > 1 spreads that L2 read over more rows. */
 template <typename W, int NCH, int RPW, bool PRE>
 __global__ void __launch_bounds__(256) matvec_warp(float *out, WPtr w, int rows, int in, const float *x,
