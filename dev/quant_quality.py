@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """Quality of the quantized formats: perplexity, KL divergence and top-1 agreement against the unquantized file.
 
-    python3 dev/quant_quality.py MODEL HELDOUT.json [--files N] [--window 512] [--kv fp8]
+    python3 dev/quant_quality.py MODEL HELDOUT.json [--files N] [--window 512] [--kv fp8|bf16]
     python3 dev/quant_quality.py --synthetic XS-2.1 --layers 4 [--tokens 1024]   (the mid-size random model)
 
-With --kv fp8 the comparison is the unquantized file with an fp8 KV cache (`laguna --kv fp8`) instead of q8 / q4.
+With --kv fp8 (or bf16: a bf16 model's K/V rounded to bf16, the GPU's default cache) the comparison is the unquantized
+file with that KV cache (`laguna --kv ...`) instead of q8 / q4.
 
 Exports MODEL (a checkpoint directory or an exported .bin) as is, q8 and q4 with export.py, scores the held-out token ids (a JSON with
 "files": [{"ids": "1 2 3 ..."}], as dev/tiny writes) with `laguna --score --logits`, and compares the logits of
@@ -55,7 +56,8 @@ def main():
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--max-tokens", type=int, default=0, help="stop after scoring about this many tokens (0: all)")
     ap.add_argument("--laguna", default=os.path.join(ROOT, "laguna"))
-    ap.add_argument("--kv", choices=["fp8"], help="compare an fp8 KV cache (on the unquantized file) instead of q8/q4")
+    ap.add_argument("--kv", choices=["fp8", "bf16"],
+                    help="compare an fp8 / bf16 KV cache (on the unquantized file) instead of q8/q4")
     a = ap.parse_args()
     if not a.synthetic and not (a.model and a.heldout):
         ap.error("give MODEL HELDOUT.json, or --synthetic NAME")
