@@ -293,6 +293,34 @@ __global__ void convert(Tout *dst, const Tin *src, size_t n) {
 /* ----------------------------------------------------------------------------
  * the kernels, in model order */
 
+__device__ __forceinline__ void store8(float *d, const float f[8]) {
+    ((float4 *)d)[0] = make_float4(f[0], f[1], f[2], f[3]);
+    ((float4 *)d)[1] = make_float4(f[4], f[5], f[6], f[7]);
+}
+__device__ __forceinline__ void store8(bf16 *d, const float f[8]) {
+    uint4 u;
+    __nv_bfloat162 *h = (__nv_bfloat162 *)&u;
+#pragma unroll
+    for (int i = 0; i < 4; i++) h[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
+    *(uint4 *)d = u;
+}
+/* the chunk of a quantized row at column k (of n), dequantized (value * its group's scale) into dst[0 ..]: 8 values
+ * at a time where dst is 16-byte aligned, else (and the row's last ones: n need not be a multiple of 8) singly */
+template <typename W, typename T>
+__device__ __forceinline__ void dequant_chunk(WPtr row, int k, int n, T *dst) {
+    typename Fmt<W>::Chunk c = wload<W>(row, k);
+    float sc = wscale<W>(c), f[8];
+#pragma unroll
+    for (int b = 0; b < Fmt<W>::CH / 8; b++) {
+        if (k + 8 * b >= n) break;
+        wvals8<W>(c, b, f);
+#pragma unroll
+        for (int j = 0; j < 8; j++) f[j] *= sc;
+        if (k + 8 * b + 8 <= n && (reinterpret_cast<uintptr_t>(dst + 8 * b) & 15) == 0) store8(dst + 8 * b, f);
+        else for (int j = 0; j < 8 && k + 8 * b + j < n; j++) dst[8 * b + j] = from_f<T>(f[j]);
+    }
+}
+
 /* h = embed[token] (no scaling); a quantized row is dequantized here (value * scale, as laguna.c's weight_row) */
 template <typename W>
 __global__ void embed_kernel(float *x, WPtr embed, const int *tokens, int H) {
@@ -303,17 +331,7 @@ __global__ void embed_kernel(float *x, WPtr embed, const int *tokens, int H) {
     } else {
         constexpr int CH = Fmt<W>::CH;
         WPtr row = wrow<W>(embed, tokens[t], H);
-        for (int k = threadIdx.x * CH; k < H; k += blockDim.x * CH) {
-            typename Fmt<W>::Chunk c = wload<W>(row, k);
-            float sc = wscale<W>(c), f[8];
-#pragma unroll
-            for (int b = 0; b < CH / 8; b++) {
-                if (k + 8 * b >= H) break;
-                wvals8<W>(c, b, f);
-#pragma unroll
-                for (int i = 0; i < 8; i++) x[(size_t)t * H + k + 8 * b + i] = f[i] * sc;
-            }
-        }
+        for (int k = threadIdx.x * CH; k < H; k += blockDim.x * CH) dequant_chunk<W>(row, k, H, x + (size_t)t * H + k);
     }
 }
 
@@ -1836,17 +1854,6 @@ __global__ void gather_rows(T *dst, const float *xb, const int *pair_tok, int H)
 }
 
 /* 8 floats to 8 consecutive elements (16-byte aligned), in one or two 16-byte stores */
-__device__ __forceinline__ void store8(float *d, const float f[8]) {
-    ((float4 *)d)[0] = make_float4(f[0], f[1], f[2], f[3]);
-    ((float4 *)d)[1] = make_float4(f[4], f[5], f[6], f[7]);
-}
-__device__ __forceinline__ void store8(bf16 *d, const float f[8]) {
-    uint4 u;
-    __nv_bfloat162 *h = (__nv_bfloat162 *)&u;
-#pragma unroll
-    for (int i = 0; i < 4; i++) h[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
-    *(uint4 *)d = u;
-}
 
 /* n > 1 on quantized files: rows of a q8 / q4 matrix dequantized (value * scale) for the GEMMs, into dst in the same
  * row order. With sel (the active experts: sel[0..*n_sel)) the matrix is a stack of experts of `rows` rows each and
@@ -1862,16 +1869,7 @@ __global__ void dequant_kernel(T *dst, WPtr w, int in, int rows, int max_sel, co
         if ((int)a >= ns) break;                     /* slots past the active experts (i grows: none after) */
         size_t src = sel ? (size_t)sel[a] * rows + r % rows : r;
         int k = (int)(i % per) * CH;
-        typename Fmt<W>::Chunk c = wload<W>(wrow<W>(w, src, in), k);
-        float sc = wscale<W>(c), f[8];
-#pragma unroll
-        for (int b = 0; b < CH / 8; b++) {
-            if (k + 8 * b >= in) break;
-            wvals8<W>(c, b, f);
-#pragma unroll
-            for (int j = 0; j < 8; j++) f[j] *= sc;
-            store8(dst + src * in + k + 8 * b, f);
-        }
+        dequant_chunk<W>(wrow<W>(w, src, in), k, in, dst + src * in + k);
     }
 }
 
