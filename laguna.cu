@@ -3001,7 +3001,7 @@ extern "C" float *gpu_forward(GpuModel *g, const int *tokens, int n, int pos, in
 }
 
 /* One decode step: forward `token` at `pos` and sample the next token on the device. The whole step (the
- * parameters' upload, ~290 kernels (7 per MoE layer), the sampler, the token's download) is one CUDA graph,
+ * parameters' upload, ~245 kernels (6 per layer), the sampler, the token's download) is one CUDA graph,
  * captured at init; the token and position live in device memory, so the same graph serves every position.
  * A graph rather than a persistent kernel: the kernels stay small and separately testable, and replay removes
  * the launch gaps; a persistent kernel for the whole step was built and measured slower (dev/gpu_notes.md). */

@@ -191,15 +191,6 @@ static inline int model_plain_dtype(const Model *m) {
     return dt;
 }
 
-/* fp32 rounded to the nearest bf16 value, ties to even (NaN stays NaN, infinities stay): what a bf16 cache holds */
-static inline float bf16_round(float f) {
-    union { float f; uint32_t u; } b;
-    b.f = f;
-    if ((b.u & 0x7F800000u) == 0x7F800000u) b.u = (b.u & 0x7FFFFFu) ? (b.u | 0x400000u) : b.u;   /* NaN: quiet */
-    else b.u += 0x7FFFu + ((b.u >> 16) & 1u);
-    b.u &= 0xFFFF0000u;
-    return b.f;
-}
 
 /* laguna.c */
 int load_model(Model *m, const char *path, int kind, char *err, size_t errsz);
@@ -245,14 +236,20 @@ static inline LAGUNA_HD uint64_t splitmix64(uint64_t x) {
     x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
     return x ^ (x >> 31);
 }
+/* fp32 rounded to the nearest bf16 value, ties to even (NaN stays NaN, infinities stay): what a bf16 cache holds,
+ * and the random weights below */
+static inline LAGUNA_HD float bf16_round(float f) {
+    union { float f; uint32_t u; } b;
+    b.f = f;
+    if ((b.u & 0x7F800000u) == 0x7F800000u) b.u = (b.u & 0x7FFFFFu) ? (b.u | 0x400000u) : b.u;   /* NaN: quiet */
+    else b.u += 0x7FFFu + ((b.u >> 16) & 1u);
+    b.u &= 0xFFFF0000u;
+    return b.f;
+}
 static inline LAGUNA_HD float random_weight(uint64_t seed, uint64_t key, uint64_t i, float a) {
     uint64_t h = splitmix64(splitmix64(seed ^ key) + i);
     int s = (int)(h >> 40) - (1 << 23);                      /* 24 random bits, centred */
-    float v = (float)s * (a * (1.0f / 8388608.0f));           /* one rounding */
-    union { float f; uint32_t u; } b;
-    b.f = v;
-    b.u = (b.u + 0x7FFFu + ((b.u >> 16) & 1u)) & 0xFFFF0000u; /* round to nearest even bf16 */
-    return b.f;
+    return bf16_round((float)s * (a * (1.0f / 8388608.0f)));  /* one rounding to fp32, then to bf16 */
 }
 /* fp32 -> fp16 bits, round to nearest even; and back (exact). Host and device alike, for the q8/q4 fill below. */
 static inline LAGUNA_HD uint16_t fp16_bits(float f) {

@@ -26,7 +26,7 @@ from transformers import LagunaConfig, LagunaForCausalLM
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "test"))
-from make_fixtures import XS2_FULL, XS21_FULL, randomize  # noqa: E402
+from make_fixtures import XS2_FULL, XS21_FULL, load_ref, randomize  # noqa: E402
 
 
 def random_config(rng):
@@ -80,14 +80,10 @@ def main():
         with tempfile.TemporaryDirectory() as d:
             hf = os.path.join(d, "hf")
             model.save_pretrained(hf)
-            ref = LagunaForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
-            ref.set_attn_implementation("eager")
-            ref.set_experts_implementation("eager")
+            ref = load_ref(hf)
             T = rng.randint(5, 40)
             ids = torch.randint(3, cfg.vocab_size, (T,), generator=gen)
-            ref64 = LagunaForCausalLM.from_pretrained(hf, dtype=torch.float64).eval()
-            ref64.set_attn_implementation("eager")
-            ref64.set_experts_implementation("eager")
+            ref64 = load_ref(hf, torch.float64)
             with torch.no_grad():
                 want = ref(ids[None]).logits[0].float().numpy()
                 want64 = ref64(ids[None]).logits[0].numpy()

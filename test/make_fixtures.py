@@ -112,9 +112,9 @@ def hexs(t):
     return " ".join("%08x" % x for x in t.detach().float().numpy().view(np.uint32))
 
 
-def load_ref(hf):
-    """the checkpoint in fp32 math, eager attention and eager experts"""
-    ref = LagunaForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+def load_ref(hf, dtype=torch.float32):
+    """the checkpoint in fp32 (or dtype) math, eager attention and eager experts"""
+    ref = LagunaForCausalLM.from_pretrained(hf, dtype=dtype).eval()
     ref.config._attn_implementation = "eager"
     ref.config._experts_implementation = "eager"
     try:

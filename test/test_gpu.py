@@ -168,12 +168,19 @@ def test_gpu_prompt_longer_than_context_refused(laguna_gpu, exported):
     assert r.returncode == 1 and "exceeds the context size" in r.stderr
 
 
-def test_gpu_mid_size_random_model(laguna_gpu, tmp_path):
+@pytest.fixture(scope="module")
+def mid_model(tmp_path_factory):
+    """the mid-size random model (XS-2.1 widths, 4 layers; weights filled by --random-weights)"""
+    mid = str(tmp_path_factory.mktemp("mid") / "mid.bin")
+    run([sys.executable, os.path.join(ROOT, "export.py"), "-q", "--synthetic", "XS-2.1", "--layers", "4", mid])
+    return mid
+
+
+def test_gpu_mid_size_random_model(laguna_gpu, mid_model, tmp_path):
     """XS-2.1 widths (hidden 2048, head_dim 128, 256 experts top-8, window 512), 4 layers, hash-random weights
     on both backends; teacher-forced over 1536 tokens (three windows)."""
     import time
-    mid = str(tmp_path / "mid.bin")
-    run([sys.executable, os.path.join(ROOT, "export.py"), "-q", "--synthetic", "XS-2.1", "--layers", "4", mid])
+    mid = mid_model
     n = 1536
     ids = np.random.default_rng(0).integers(3, 100352, size=n)
     ids_file = tmp_path / "ids.txt"
@@ -273,13 +280,6 @@ def test_gpu_kv_fp8_bf16_file(laguna_gpu, exported, tmp_path):
         worst = max(worst, d)
     if worst > TOL_BF16:
         pytest.xfail("bf16 GEMM-input rounding / e4m3 midpoints flip MoE routes (dev/gpu_notes.md)")
-
-
-@pytest.fixture(scope="module")
-def mid_model(tmp_path_factory):
-    mid = str(tmp_path_factory.mktemp("mid") / "mid.bin")
-    run([sys.executable, os.path.join(ROOT, "export.py"), "-q", "--synthetic", "XS-2.1", "--layers", "4", mid])
-    return mid
 
 
 def test_gpu_kv_fp8_halves_the_cache(laguna_gpu, mid_model):
