@@ -431,10 +431,12 @@ __global__ void __launch_bounds__(256, NCH == 1 && ROWS < 8 ? 3 : 2) matvec_kern
 
 /* Decode matvec for tall matrices with in <= 32 * CH * NCH inputs (q/k/v/g, dense gate+up, lm_head): a warp per RG
  * rows (a step), RPW steps per warp. Each lane's NCH chunks of the first step's rows are loaded before the wait on
- * the previous kernel, the next step's before the current one is summed (PRE: the second step's, and the thread's
- * RMSNorm weights, before the wait too). x (normed when norm_w is given: the
- * block's sum of squares) is staged once per block in shared memory: RPW > 1 spreads that L2 read over more rows. */
-template <typename W, int NCH, int RPW, bool PRE>
+ * the previous kernel; later steps' before the current one is summed. Quantized formats (EARLY: their chunks are
+ * small) also load the second step and the thread's RMSNorm weights before the wait, so that after it only x is
+ * read: in the decode graph +4.5% tok/s for q4, +2% for q8. bf16 lost 3% with it and 5% with only the norm loop
+ * unrolled, so it keeps this plain order (dev/gpu_notes.md, round 5). x (normed when norm_w is given: the block's
+ * sum of squares) is staged once per block in shared memory: RPW > 1 spreads that L2 read over more rows. */
+template <typename W, int NCH, int RPW>
 __global__ void __launch_bounds__(256) matvec_warp(float *out, WPtr w, int rows, int in, const float *x,
                                                    const float *norm_w, float eps, float *xb_out, const float *bias,
                                                    int accumulate) {
@@ -450,10 +452,10 @@ __global__ void __launch_bounds__(256) matvec_warp(float *out, WPtr w, int rows,
                 for (int i = 0; i < RG; i++)
                     c[j & 1][u][i] = wload<W>(wrow<W>(w, min(r0 + j * RG + i, rows - 1), in), (lane + 32 * u) * CH);
     };
+    constexpr bool EARLY = is_q<W>;
     load_step(0);
-    /* PRE: the second step's weights and this thread's norm weights too, before the wait (after it only x is read) */
-    float nwv[NW];
-    if constexpr (PRE) {
+    float nwv[NW];                                  /* EARLY: the norm weights of the elements this thread stages */
+    if constexpr (EARLY) {
         if (RPW > 1) load_step(1);
 #pragma unroll
         for (int i = 0; i < NW; i++) nwv[i] = norm_w && tid + 256 * i < in ? norm_w[tid + 256 * i] : 0.0f;
@@ -468,19 +470,25 @@ __global__ void __launch_bounds__(256) matvec_warp(float *out, WPtr w, int rows,
     }
     if (norm_w) {                                   /* each thread rescales the elements it staged */
         float inv = 1.0f / sqrtf(block_sum(ss) / in + eps);
-#pragma unroll
-        for (int i = 0; i < NW; i++) {
-            int k = tid + 256 * i;
-            if (k >= in) break;
+        auto put = [&](int k, float wk) {
             float &v = xs_at<CH>(xs, k);
-            v = (PRE ? nwv[i] : norm_w[k]) * (v * inv);
+            v = wk * (v * inv);
             if (xb_out && blockIdx.x == 0) xb_out[k] = v;
+        };
+        if constexpr (EARLY) {
+#pragma unroll
+            for (int i = 0; i < NW; i++) {
+                if (tid + 256 * i >= in) break;
+                put(tid + 256 * i, nwv[i]);
+            }
+        } else {
+            for (int k = tid; k < in; k += 256) put(k, norm_w[k]);
         }
     }
     __syncthreads();
 #pragma unroll
     for (int j = 0; j < RPW; j++) {
-        if (j + 1 < RPW && !(PRE && j == 0)) load_step(j + 1);
+        if (j + 1 < RPW && !(EARLY && j == 0)) load_step(j + 1);
         float acc[RG] = {};
 #pragma unroll
         for (int u = 0; u < NCH; u++) {
@@ -568,8 +576,8 @@ __device__ __forceinline__ void key_range(int pos, int t_first, int t_last, int 
  * tile loads while this one is computed); the masks are applied only to tiles that cross a row's key window.
  * An fp8 cache (KV = fp8) fills the same bf16 tiles, widened (exactly) from 8-byte loads, so everything after the
  * load is the bf16 kernel's. With 4 warps the next tile's fp8 bytes go to registers before this tile's math and
- * are widened into the other buffer after it, so the loads overlap the math as cp.async does for bf16 (the first
- * version widened them before the math: 131K prefill took 32.0 s against bf16's 17.5); 1 warp keeps that simpler
+ * are widened into the other buffer after it, so the loads overlap the math as cp.async does for bf16: 131K prefill
+ * 15.6 s (bf16 cache: 17.5; the first version, which widened them before the math, 32.0). 1 warp keeps that simpler
  * form (its registers would not hold a tile's share).
  * With one split (prefill) the kernel finishes the rows itself (normalise, softplus gate) and attention_combine
  * is skipped. */
@@ -1514,48 +1522,39 @@ __global__ void __launch_bounds__(256) moe_gate_up_decode(WPtr experts_gu, int I
     }
 }
 
-/* the sum over aligned groups of LW lanes (LW a power of two <= 32): every lane of a group gets its group's sum */
-template <int LW> __device__ __forceinline__ float group_sum(float v) {
-#pragma unroll
-    for (int o = LW / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
 /* Decode (one token): all down projections of a layer in one launch with the weighted sum and the residual:
  * x[j] += always_down[j] . hs + scaling * sum_a w_a * down_{e_a}[j] . h_a, experts in ascending id (the CPU's
- * order). A group of LW = 32 / RW lanes per output row (RW rows per warp: the host picks RW so that a row's columns
- * keep its lanes busy, e.g. 2 for Q4 at I = 512, whose 16 chunks of 32 columns left half of a whole warp idle);
- * UD chunks per lane and step (bf16 / f32 2 of 8 columns, quantized 1 of 16 (Q8) or 32 (Q4)). The first 8 experts'
- * and the always-on row's first step are loaded BEFORE the wait on moe_gate_up_decode. The plan (active, n_active,
- * pair_w) is the router's, two kernels back: every kernel of the chain waits before it lets its successor start,
- * so when this one starts the router has completed. Only h_pair / hs (the previous kernel's) need the wait. */
-template <typename W, int RW>
+ * order). One warp per output row; the first 8 experts' and the always-on row's first 512 columns (all of them at
+ * I = S = 512: 18 loads per lane; quantized, UD = 1 chunk per lane and row: 16 (Q8) or 32 (Q4) columns per lane)
+ * are loaded BEFORE the wait on moe_gate_up_decode. The plan (active, n_active, pair_w) is the router's, two
+ * kernels back: every kernel of the chain waits before it lets its successor start, so when this one starts the
+ * router has completed. Only h_pair / hs (the previous kernel's) need the wait. */
+template <typename W>
 __global__ void __launch_bounds__(256, 2) moe_down_decode(float *x, WPtr experts_down, int I, WPtr always_down,
                                                        int S, int H, const int *active, const int *n_active,
                                                        const float *pair_w, const float *h_pair, const float *hs,
                                                        float scaling) {
-    constexpr int CH = Fmt<W>::CH, UD = is_q<W> ? 1 : 2, LW = 32 / RW, KS = LW * UD * CH;   /* KS: columns per step */
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, lr = lane % LW;
-    const int j = (blockIdx.x * 8 + warp) * RW + lane / LW, jr = min(j, H - 1);   /* jr: rows past H read the last */
+    constexpr int CH = Fmt<W>::CH, UD = is_q<W> ? 1 : 2, KS = 32 * UD * CH;   /* KS: columns per step */
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, j = blockIdx.x * 8 + warp;
+    const bool row = j < H;
     const int na = n_active ? *n_active : 0;
     typename Fmt<W>::Chunk c[8][UD], cs[UD];
-    auto load_group = [&](int a0, int k0) {          /* UD chunks (from column k0 + lr * CH) of experts a0..a0+7 */
+    auto load_group = [&](int a0, int k0) {          /* UD chunks (from column k0 + lane * CH) of experts a0..a0+7 */
 #pragma unroll
         for (int a = 0; a < 8; a++)
 #pragma unroll
             for (int u = 0; u < UD; u++)
-                if (a0 + a < na && k0 + (lr + LW * u) * CH < I)
-                    c[a][u] = wload<W>(wrow<W>(experts_down, (size_t)active[a0 + a] * H + jr, I),
-                                       k0 + (lr + LW * u) * CH);
+                if (row && a0 + a < na && k0 + (lane + 32 * u) * CH < I)
+                    c[a][u] = wload<W>(wrow<W>(experts_down, (size_t)active[a0 + a] * H + j, I), k0 + (lane + 32 * u) * CH);
     };
     load_group(0, 0);
-    const WPtr ws = wrow<W>(always_down, jr, S);
+    const WPtr ws = wrow<W>(always_down, j, S);
 #pragma unroll
     for (int u = 0; u < UD; u++)
-        if ((lr + LW * u) * CH < S) cs[u] = wload<W>(ws, (lr + LW * u) * CH);
+        if (row && (lane + 32 * u) * CH < S) cs[u] = wload<W>(ws, (lane + 32 * u) * CH);
     griddep_wait();                                   /* h_pair and hs */
     griddep_launch();
-    if ((blockIdx.x * 8 + warp) * RW >= H) return;   /* (the whole warp) */
+    if (!row) return;
     float routed = 0.0f;
     for (int a0 = 0; a0 < na; a0 += 8) {
         float acc[8] = {};
@@ -1565,7 +1564,7 @@ __global__ void __launch_bounds__(256, 2) moe_down_decode(float *x, WPtr experts
             for (int a = 0; a < 8; a++)
 #pragma unroll
                 for (int u = 0; u < UD; u++) {
-                    int k = k0 + (lr + LW * u) * CH;
+                    int k = k0 + (lane + 32 * u) * CH;
                     if (a0 + a < na && k < I)
                         chunk_dot<W, 1>(&c[a][u], I - k, [&](int bb, float f[8]) {
                             load_x8(h_pair + (size_t)(a0 + a) * I + k + 8 * bb, f);
@@ -1574,22 +1573,22 @@ __global__ void __launch_bounds__(256, 2) moe_down_decode(float *x, WPtr experts
         }
 #pragma unroll
         for (int a = 0; a < 8; a++)
-            if (a0 + a < na) routed += pair_w[a0 + a] * group_sum<LW>(acc[a]);
+            if (a0 + a < na) routed += pair_w[a0 + a] * warp_sum(acc[a]);
     }
     float sh = 0.0f;
     for (int k0 = 0; k0 < S; k0 += KS) {
         if (k0)
 #pragma unroll
             for (int u = 0; u < UD; u++)
-                if (k0 + (lr + LW * u) * CH < S) cs[u] = wload<W>(ws, k0 + (lr + LW * u) * CH);
+                if (k0 + (lane + 32 * u) * CH < S) cs[u] = wload<W>(ws, k0 + (lane + 32 * u) * CH);
 #pragma unroll
         for (int u = 0; u < UD; u++) {
-            int k = k0 + (lr + LW * u) * CH;
+            int k = k0 + (lane + 32 * u) * CH;
             if (k < S) chunk_dot<W, 1>(&cs[u], S - k, [&](int bb, float f[8]) { load_x8(hs + k + 8 * bb, f); }, &sh);
         }
     }
-    sh = group_sum<LW>(sh);
-    if (lr == 0 && j < H) x[j] += sh + routed * scaling;
+    sh = warp_sum(sh);
+    if (lane == 0) x[j] += sh + routed * scaling;
 }
 
 /* x[t] += ys[t] + scaling * sum_j w_j * y_pair[(t, j)], the slots summed in ascending expert id */
@@ -2021,9 +2020,6 @@ struct GpuModel {
     int pdl;                 /* programmatic dependent launch for the decode kernels (LAGUNA_NO_PDL=1: off) */
     int pdl_now;             /* set while enqueueing a one-token forward */
     int dup, nlaunch;        /* LAGUNA_DUP=k: the k-th decode launch of every layer enqueued twice (a timing hook) */
-    int lm_rpw;              /* LAGUNA_LMHEAD_RPW: rows per warp of lm_head-sized matvecs (2, 4 or 8; an experiment) */
-    int mv_prewait;          /* matvec_warp loads both steps and its norm weights before the wait (LAGUNA_MV_PREWAIT=0: one) */
-    int down_rw1;            /* LAGUNA_DOWN_RW=1: moe_down_decode with one row per warp whatever the widths */
     int moe_general;         /* LAGUNA_MOE_GENERAL=1: decode's gate/up by the general kernel (what H > 2048 takes) */
     int attn_cluster;        /* one-token attention of sliding layers as clusters of this many splits (0: global merge) */
     int cluster_y;           /* set while launching a clustered kernel (launch()) */
@@ -2330,9 +2326,6 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
     g->pdl = !getenv("LAGUNA_NO_PDL");
     g->dup = getenv("LAGUNA_DUP") ? atoi(getenv("LAGUNA_DUP")) : -1;
     g->moe_general = getenv("LAGUNA_MOE_GENERAL") != NULL;     /* so the tests reach that path at small shapes */
-    g->down_rw1 = getenv("LAGUNA_DOWN_RW") && atoi(getenv("LAGUNA_DOWN_RW")) == 1;
-    g->lm_rpw = getenv("LAGUNA_LMHEAD_RPW") ? atoi(getenv("LAGUNA_LMHEAD_RPW")) : 2;
-    g->mv_prewait = !(getenv("LAGUNA_MV_PREWAIT") && atoi(getenv("LAGUNA_MV_PREWAIT")) == 0);
     int D = c->head_dim, H = c->dim, KVD = c->kv_dim, T = max_tokens, E = c->n_experts, K = c->n_experts_active;
     /* formats: the matmul weights all quantized alike (q8 or q4) or none of them; the embedding (and with it a tied
      * lm_head) and lm_head may be quantized on their own (export.py: the embedding is q8 in q4 files too); the
@@ -2615,19 +2608,16 @@ static void matvec(GpuModel *g, float *out, const void *w, int rows, int in, con
     const WPtr m = wmat(Fmt<W>::DT, w, rows, in);
 #define MV(R, N) launch(g, matvec_kernel<W, R, N>, dim3((rows + R - 1) / R), dim3(256), 0, out, m, rows, in, \
                         x, norm_w, g->c.norm_eps, xb_out, bias, accumulate)
-    /* in <= 2048: a warp per RG rows (Fmt), 2 steps per warp (x staged once per 16 * RG rows). Measured on
-     * the H200 in the decode graph (dev/gpu_notes.md, round 2, bf16): 317 tok/s with 2 rows per warp, 311 with 4,
-     * 292 with 1, 309 with the block-rows kernel below; the block-rows kernel wins for the 8192-wide o_proj */
-#define MVW_P(R, PRE) launch(g, matvec_warp<W, 64 / CH, R, PRE>, dim3((rows + 8 * R * RG - 1) / (8 * R * RG)), \
-                             dim3(256), 0, out, m, rows, in, x, norm_w, g->c.norm_eps, xb_out, bias, accumulate)
-#define MVW(R) do { if (g->mv_prewait) MVW_P(R, true); else MVW_P(R, false); } while (0)
+    /* in <= 2048: a warp per RG rows (Fmt), 2 steps per warp (x staged once per 16 * RG rows), 4 for lm_head-sized
+     * matrices. Measured on the H200 in the decode graph (dev/gpu_notes.md, rounds 2 and 5, bf16): 317 tok/s with 2
+     * steps per warp, 311 with 4, 292 with 1, 309 with the block-rows kernel below, which wins for the 8192-wide
+     * o_proj; for a quantized lm_head (rows >= 32768) 4 steps were +0.6% (q4) and +0.9% (q8) over 2 (round 5) */
+#define MVW(R) launch(g, matvec_warp<W, 64 / CH, R>, dim3((rows + 8 * R * RG - 1) / (8 * R * RG)), dim3(256), 0, out, m, \
+                      rows, in, x, norm_w, g->c.norm_eps, xb_out, bias, accumulate)
     int nch = (in + 256 * CH - 1) / (256 * CH);    /* chunks per thread and row in the block-rows kernel */
-    /* (lm_head-sized matrices: LAGUNA_LMHEAD_RPW=4 / 8 rows per warp, staging x once per 32 / 64 rows; to measure) */
-    if (in <= 2048 && rows >= 32768 && g->lm_rpw == 8) MVW(8);
-    else if (in <= 2048 && rows >= 32768 && g->lm_rpw == 4) MVW(4);
+    if (in <= 2048 && rows >= 32768 && is_q<W>) MVW(4);
     else if (in <= 2048) MVW(2);
 #undef MVW
-#undef MVW_P
     else if (nch <= 1) MV(8, 1);
     else if (nch <= 2) MV(4, 2);
     else if (nch <= 4) MV(2, 4);
@@ -2711,16 +2701,6 @@ static void attention(GpuModel *g, int l, int n, int pos) {
     LAUNCH_CHECK();
 }
 
-/* rows per warp of moe_down_decode: lanes enough for a row's widest matrix (I or S columns, a step's worth), a power
- * of two; LAGUNA_DOWN_RW=1 keeps one row per warp (to compare) */
-template <typename W>
-static int down_rw(const GpuModel *g, int I, int S) {
-    constexpr int per = (is_q<W> ? 1 : 2) * Fmt<W>::CH;   /* columns per lane and step */
-    int cols = I > S ? I : S, lanes = (cols + per - 1) / per, lw = 1;
-    while (lw < lanes && lw < 32) lw *= 2;
-    return g->down_rw1 ? 1 : 32 / lw;
-}
-
 template <typename W, typename P>
 static void mlp_decode(GpuModel *g, int l) {
     const Config *c = &g->c;
@@ -2739,18 +2719,12 @@ static void mlp_decode(GpuModel *g, int l) {
                     (const int *)g->pair_tok, (const int *)g->active, (const int *)(NI), KA, g->h_pair, \
                     (KA) ? g->hs : g->mlp_act); \
     } while (0)
-    /* down (+ the weighted sum and the residual): RW rows per warp (down_rw) */
-#define DOWN_RW(R, EDN, II, ACT, NA, PW, HP, HS, SC) launch(g, moe_down_decode<W, R>, \
-        dim3((H + 8 * (R) - 1) / (8 * (R))), dim3(256), 0, g->x, EDN, II, down, L->hid, H, (const int *)(ACT), \
-        (const int *)(NA), (const float *)(PW), (const float *)(HP), (const float *)(HS), SC)
-#define DOWN(RWV, ...) do { switch (RWV) { \
-        case 8: DOWN_RW(8, __VA_ARGS__); break; case 4: DOWN_RW(4, __VA_ARGS__); break; \
-        case 2: DOWN_RW(2, __VA_ARGS__); break; default: DOWN_RW(1, __VA_ARGS__); } } while (0)
     if (L->dense) {
         launch(g, rmsnorm_kernel, dim3(1), dim3(256), 0, g->xb, (const float *)g->x, H, (const float *)L->ffn_norm, H,
                c->norm_eps);
         GATE_UP(WPtr(NULL), NULL, 0);
-        DOWN(down_rw<W>(g, 0, L->hid), WPtr(NULL), 0, NULL, NULL, NULL, NULL, g->mlp_act, 0.0f);
+        launch(g, moe_down_decode<W>, dim3((H + 7) / 8), dim3(256), 0, g->x, WPtr(NULL), 0, down,
+               L->hid, H, NULL, NULL, NULL, NULL, (const float *)g->mlp_act, 0.0f);
         return;
     }
     /* route: router logits from the normed x (the norm folded into the matvec, which also leaves xb) and the
@@ -2766,9 +2740,9 @@ static void mlp_decode(GpuModel *g, int l) {
 #undef ROUTE
     GATE_UP(egu, g->n_active, K);
 #undef GATE_UP
-    DOWN(down_rw<W>(g, I, L->hid), edn, I, g->active, g->n_active, g->pair_w, g->h_pair, g->hs, c->routed_scaling);
-#undef DOWN_RW
-#undef DOWN
+    launch(g, moe_down_decode<W>, dim3((H + 7) / 8), dim3(256), 0, g->x, edn, I, down, L->hid, H,
+           (const int *)g->active, (const int *)g->n_active, (const float *)g->pair_w, (const float *)g->h_pair,
+           (const float *)g->hs, c->routed_scaling);
 }
 
 /* the shared expert of n tokens: plain GEMMs over all tokens */

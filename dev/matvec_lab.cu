@@ -159,7 +159,7 @@ __global__ void __launch_bounds__(256, 2) moe_down_decode_r1(float *x, const W *
 
 /* D: laguna.cu's warp-per-row decode matvec with R rows per warp */
 static void matvec_d(int R, float *y, const bf16 *w, int rows, int in, const float *x, const float *nw) {
-#define MVD(RR) matvec_warp<bf16, 8, RR, false><<<(rows + 8 * RR - 1) / (8 * RR), 256>>>(y, w, rows, in, x, nw, 1e-6f, NULL, NULL, 0)
+#define MVD(RR) matvec_warp<bf16, 8, RR><<<(rows + 8 * RR - 1) / (8 * RR), 256>>>(y, w, rows, in, x, nw, 1e-6f, NULL, NULL, 0)
     if (R == 1) MVD(1); else if (R == 2) MVD(2); else MVD(4);
 #undef MVD
 }
@@ -319,7 +319,7 @@ int main() {
             if (which == 0 && round == 1) moe_gate_up<bf16><<<K * (I / 8) + S / 8, 256>>>(gu, I, sgu, S, H, xb, 1, st, ptok, ac, nact, K, hp, hs);
             else if (which == 0) moe_gate_up_decode<bf16, 8><<<S / 8 + K * (I / 8), 256>>>(gu, I, sgu, S, H, xb, ac, nact, hp, hs);
             else if (round == 1) moe_down_decode_r1<bf16><<<H / 8, 256>>>(x, dn, I, sdn, S, H, ac, nact, st, pw, hp, hs, 2.5f);
-            else moe_down_decode<bf16, 1><<<H / 8, 256>>>(x, dn, I, sdn, S, H, ac, nact, pw, hp, hs, 2.5f);
+            else moe_down_decode<bf16><<<H / 8, 256>>>(x, dn, I, sdn, S, H, ac, nact, pw, hp, hs, 2.5f);
             LAUNCH_CHECK();
         };
         /* cuBLAS alternative: one GEMM (n = 1) per expert matrix */
