@@ -2,7 +2,7 @@
 # dev/device_quick.sh -- a short device call (~3 min) for a branch's change to the one-token kernels: build, the GPU
 # tests that hold the one-token kernels to the n-token path and the CPU at 1e-4 (f32 fixtures, q8/q4), then decode
 # tok/s at 512 for bf16, q8 and q4 with the branch's default and with each of $VARIANTS (words of VAR=value,
-# commas between several; default: LAGUNA_DOWN_RW=1, the one-row-per-warp down projection this branch replaces).
+# commas between several; default: LAGUNA_NO_PDL=1, the chain without programmatic dependent launch).
 # Logs: $OUT/quick.txt
 set -u
 OUT=${OUT:-/tmp/laguna_quick}
@@ -22,7 +22,7 @@ echo "tests rc $?: $(grep 'passed\|failed' "$OUT/test.log" | tail -1)" >> "$Q"
 grep "^\[gpu\|^E  " "$OUT/test.log" | cut -c1-160 >> "$Q"
 for dt in bf16 q8 q4; do
     until [ -f /dev/shm/xq-$dt.bin ] || ! kill -0 $EXP 2>/dev/null; do sleep 1; done
-    for v in default ${VARIANTS-LAGUNA_DOWN_RW=1}; do
+    for v in default ${VARIANTS-LAGUNA_NO_PDL=1}; do
         ( [ "$v" != default ] && export ${v//,/ }
           timeout 30 ./dev/bench_gpu /dev/shm/xq-$dt.bin 512 > "$OUT/bench.log" 2>&1
           echo "$dt $v: $(grep '^| 512' "$OUT/bench.log" | cut -d'|' -f5,6) $(grep -c rror "$OUT/bench.log") errors" >> "$Q" )

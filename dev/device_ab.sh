@@ -1,0 +1,66 @@
+#!/bin/bash
+# dev/device_ab.sh -- decode speed of this tree (B) against another commit (A), alternating runs in one device call,
+# so machine-to-machine differences (a few %) do not pass for a change's effect.
+#   here:   bash dev/device_ab.sh --prepare main      (A's sources into .ab/, which .git/info/exclude must ignore)
+#   device: run(command="OUT=$OUT bash dev/device_ab.sh", carry=[".ab"])
+# Builds both, exports the XS-2.1 synthetic file in each of $DTYPES (default bf16 q4 q8), then for each file runs
+# dev/bench_gpu at $CTX (default 512) $ROUNDS times (default 3) A, B, A, B, ... and prints each run and the means.
+# $VARIANTS: B is run once per word (default, or VAR=value[,VAR=value...] in its environment), e.g.
+# VARIANTS="default LAGUNA_X=1"; the label in ab.txt is B or B:word.
+# $EXTRA: one more B-only bench_gpu command line (arguments after the file, e.g. "--kv fp8 8192 131072"), on bf16.
+# $TESTS=1: then `make test-gpu` on B until $DEADLINE s (default 585) after the start (a call is 600 s at most).
+# Logs under $OUT: ab.txt (the lines to read), build_a.log, build_b.log, runs/, test.log.
+set -u
+cd "$(dirname "$0")/.."
+if [ "${1:-}" = --prepare ]; then
+    ref=${2:?usage: dev/device_ab.sh --prepare COMMIT}
+    grep -qx '/.ab/' .git/info/exclude || echo '/.ab/' >> .git/info/exclude
+    rm -rf .ab && mkdir -p .ab
+    git archive "$ref" Makefile laguna.c laguna.cu laguna.h tokenizer.c tokenizer.h tokenizer_unicode.h dev/bench_gpu.c |
+        tar -x -C .ab && echo "$(git rev-parse --short "$ref")" > .ab/REF && echo "A = $ref ($(cat .ab/REF)) in .ab/"
+    exit
+fi
+[ -f .ab/Makefile ] || { echo "no .ab/: run 'bash dev/device_ab.sh --prepare COMMIT' here and carry .ab" >&2; exit 2; }
+OUT=${OUT:-/tmp/laguna_ab}
+mkdir -p "$OUT/runs"
+S="$OUT/ab.txt"
+t0=$(date +%s)
+DTYPES=${DTYPES:-bf16 q4 q8}
+( for dt in $DTYPES; do python3 export.py -q --synthetic XS-2.1 --dtype $dt /dev/shm/ab-$dt.tmp && \
+    mv /dev/shm/ab-$dt.tmp /dev/shm/ab-$dt.bin || exit 1; done ) > "$OUT/export.log" 2>&1 &
+EXP=$!
+( cd .ab && make -j8 cuda dev/bench_gpu > "$OUT/build_a.log" 2>&1 ) &
+BA=$!
+make -j8 cuda dev/bench_gpu > "$OUT/build_b.log" 2>&1 || { tail -20 "$OUT/build_b.log" >> "$S"; exit 1; }
+wait $BA || { tail -20 "$OUT/build_a.log" >> "$S"; exit 1; }
+echo "A = $(cat .ab/REF), B = this tree; built in $(( $(date +%s) - t0 )) s" >> "$S"
+wait $EXP || { tail -5 "$OUT/export.log" >> "$S"; exit 1; }   # no export running while timing
+echo "exported in $(( $(date +%s) - t0 )) s" >> "$S"
+CTX=${CTX:-512}
+for dt in $DTYPES; do
+    f=/dev/shm/ab-$dt.bin
+    for r in $(seq ${ROUNDS:-3}); do
+        for side in A ${VARIANTS:-default}; do
+            bin=./dev/bench_gpu; label=B; [ $side = A ] && bin=./.ab/dev/bench_gpu && label=A
+            [ $side != A ] && [ $side != default ] && label=B:$side
+            log="$OUT/runs/$dt-${label//[:=,]/_}-$r.log"
+            ( [ $side != A ] && [ $side != default ] && export ${side//,/ }
+              timeout 60 $bin $f $CTX > "$log" 2>&1 )
+            echo "$dt $label $r: $(grep '^| [0-9]' "$log" | cut -d'|' -f2,5 | tr '\n' ' ') $(grep -c rror "$log") errors" >> "$S"
+        done
+    done
+done
+# the means of the decode column (tok/s) per dtype, side and context
+grep -h '' "$S" | awk '$3 ~ /^[0-9]+:$/ { for (i = 4; i + 1 <= NF; i += 3) if ($(i + 1) == "|") {
+        k = $1 " " $2 " " $i; s[k] += $(i + 2); n[k]++ } }
+    END { for (k in s) printf "mean %s: %.1f tok/s (%d runs)\n", k, s[k] / n[k], n[k] }' | sort >> "$S"
+if [ -n "${EXTRA:-}" ] && [ -f /dev/shm/ab-bf16.bin ]; then
+    timeout 200 ./dev/bench_gpu /dev/shm/ab-bf16.bin $EXTRA > "$OUT/extra.log" 2>&1
+    echo "B bf16 $EXTRA:" >> "$S"; grep '^| \|rror' "$OUT/extra.log" >> "$S"
+fi
+rm -f /dev/shm/ab-*.bin
+echo "benches done in $(( $(date +%s) - t0 )) s" >> "$S"
+[ "${TESTS:-0}" = 1 ] || exit 0
+timeout $(( ${DEADLINE:-585} - ($(date +%s) - t0) )) make test-gpu > "$OUT/test.log" 2>&1
+echo "make test-gpu rc $? at $(( $(date +%s) - t0 )) s" >> "$S"
+grep "\[gpu\|passed\|failed\|XFAIL\|^E  " "$OUT/test.log" | cut -c1-220 | tail -80 >> "$S"
