@@ -60,6 +60,10 @@ dev/matvec_lab: dev/matvec_lab.cu laguna.cu laguna.h
 dev/chain_lab: dev/chain_lab.cu laguna.cu laguna.h
 	$(NVCC) $(NVCCFLAGS) dev/chain_lab.cu -o $@ -lcublas
 
+# decode matvecs that stream weights through shared memory with bulk copies, against laguna.cu's (dev/gpu_notes.md)
+dev/bulk_lab: dev/bulk_lab.cu laguna.cu laguna.h
+	$(NVCC) $(NVCCFLAGS) dev/bulk_lab.cu -o $@ -lcublas
+
 bench: dev/bench_gpu dev/matvec_lab dev/bench_dflash
 	./dev/matvec_lab
 	python3 export.py -q --synthetic XS-2.1 /dev/shm/xs21.bin
