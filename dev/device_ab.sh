@@ -8,7 +8,8 @@
 # $VARIANTS: B is run once per word (default, or VAR=value[,VAR=value...] in its environment), e.g.
 # VARIANTS="default LAGUNA_X=1"; the label in ab.txt is B or B:word.
 # $EXTRA: one more B-only bench_gpu command line (arguments after the file, e.g. "--kv fp8 8192 131072"), on bf16.
-# $TESTS=1: then `make test-gpu` on B until $DEADLINE s (default 585) after the start (a call is 600 s at most).
+# $TESTS=1: then `make test-gpu` on B until $DEADLINE s (default 585) after the start (a call is 600 s at most),
+# with $TEST_ENV (VAR=value words) in its environment: the tests' ./laguna runs inherit it.
 # Logs under $OUT: ab.txt (the lines to read), build_a.log, build_b.log, runs/, test.log.
 set -u
 cd "$(dirname "$0")/.."
@@ -61,6 +62,6 @@ fi
 rm -f /dev/shm/ab-*.bin
 echo "benches done in $(( $(date +%s) - t0 )) s" >> "$S"
 [ "${TESTS:-0}" = 1 ] || exit 0
-timeout $(( ${DEADLINE:-585} - ($(date +%s) - t0) )) make test-gpu > "$OUT/test.log" 2>&1
+timeout $(( ${DEADLINE:-585} - ($(date +%s) - t0) )) env ${TEST_ENV:-} make test-gpu > "$OUT/test.log" 2>&1
 echo "make test-gpu rc $? at $(( $(date +%s) - t0 )) s" >> "$S"
 grep "\[gpu\|passed\|failed\|XFAIL\|^E  " "$OUT/test.log" | cut -c1-220 | tail -80 >> "$S"
