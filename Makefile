@@ -57,11 +57,11 @@ dev/matvec_lab: dev/matvec_lab.cu laguna.cu laguna.h
 	$(NVCC) $(NVCCFLAGS) dev/matvec_lab.cu -o $@ -lcublas
 
 # what one kernel of a decode-style chain costs (fixed part and streaming rate; dev/gpu_notes.md)
-dev/chain_lab: dev/chain_lab.cu laguna.cu laguna.h
+dev/chain_lab: dev/chain_lab.cu dev/lab_graph.h laguna.cu laguna.h
 	$(NVCC) $(NVCCFLAGS) dev/chain_lab.cu -o $@ -lcublas
 
 # decode matvecs that stream weights through shared memory with bulk copies, against laguna.cu's (dev/gpu_notes.md)
-dev/bulk_lab: dev/bulk_lab.cu laguna.cu laguna.h
+dev/bulk_lab: dev/bulk_lab.cu dev/lab_graph.h laguna.cu laguna.h
 	$(NVCC) $(NVCCFLAGS) dev/bulk_lab.cu -o $@ -lcublas
 
 bench: dev/bench_gpu dev/matvec_lab dev/bench_dflash

@@ -290,6 +290,18 @@ __global__ void convert(Tout *dst, const Tin *src, size_t n) {
         dst[i] = from_f<Tout>(to_f(src[i]));
 }
 
+/* x[0 .. in) into shared memory in CH's layout (xs_put4) by a block of 256 threads; returns this thread's sum of
+ * the squares of what it staged (for the RMSNorm) */
+template <int CH> __device__ __forceinline__ float stage_x(float *xs, const float *x, int in) {
+    float ss = 0.0f;
+    for (int k = threadIdx.x * 4; k < in; k += 1024) {
+        float4 v = *(const float4 *)(x + k);
+        ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+        xs_put4<CH>(xs, k, v);
+    }
+    return ss;
+}
+
 /* ----------------------------------------------------------------------------
  * the kernels, in model order */
 
@@ -462,12 +474,7 @@ __global__ void __launch_bounds__(256) matvec_warp(float *out, WPtr w, int rows,
     }
     griddep_wait();                                 /* x is the previous kernel's output */
     griddep_launch();
-    float ss = 0.0f;
-    for (int k = tid * 4; k < in; k += 1024) {
-        float4 v = *(const float4 *)(x + k);
-        ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-        xs_put4<CH>(xs, k, v);
-    }
+    float ss = stage_x<CH>(xs, x, in);
     if (norm_w) {                                   /* each thread rescales the elements it staged */
         float inv = 1.0f / sqrtf(block_sum(ss) / in + eps);
         auto put = [&](int k, float wk) {

@@ -23,6 +23,7 @@
  * off an SM until the previous kernel's blocks there have left, so (a guess, not measured) none of it starts early
  * under PDL. Not used. */
 #include "../laguna.cu"
+#include "lab_graph.h"
 
 #include <vector>
 
@@ -75,12 +76,7 @@ __global__ void __launch_bounds__(256) matvec_bulk(float *out, const bf16 *w, in
     }
     griddep_wait();                                            /* x is the previous kernel's output */
     griddep_launch();
-    float ss = 0.0f;
-    for (int k = tid * 4; k < in; k += 1024) {
-        float4 v = *(const float4 *)(x + k);
-        ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-        *(float4 *)(xs + k) = v;
-    }
+    float ss = stage_x<8>(xs, x, in);                           /* (CH 8: the plain layout) */
     float inv = norm_w ? 1.0f / sqrtf(block_sum(ss) / in + eps) : 1.0f;   /* block_sum syncs */
     if (norm_w)
         for (int k = tid; k < in; k += 256) {
@@ -159,29 +155,13 @@ static double time_chain(const Var &v, int rows, int in, const bf16 *w, float *x
     const int N = 240, R = 10;
     size_t per = (size_t)rows * in, nv = BUF / 2;
     cudaGraph_t graph;
-    cudaGraphExec_t exec;
     CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
     for (int i = 0; i < N; i++) {
         size_t off = ((size_t)i * per) % (nv - per) / 8 * 8;   /* a fresh part of the buffer, 16-byte aligned */
         launch_var(v, rows, in, w + off, i & 1 ? xb : xa, i & 1 ? xa : xb, nw, 1, st);
     }
     CUDA_CHECK(cudaStreamEndCapture(st, &graph));
-    CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-    cudaEvent_t e0, e1;
-    CUDA_CHECK(cudaEventCreate(&e0));
-    CUDA_CHECK(cudaEventCreate(&e1));
-    CUDA_CHECK(cudaGraphLaunch(exec, st));
-    CUDA_CHECK(cudaEventRecord(e0, st));
-    for (int r = 0; r < R; r++) CUDA_CHECK(cudaGraphLaunch(exec, st));
-    CUDA_CHECK(cudaEventRecord(e1, st));
-    CUDA_CHECK(cudaEventSynchronize(e1));
-    float ms;
-    CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-    CUDA_CHECK(cudaEventDestroy(e0));
-    CUDA_CHECK(cudaEventDestroy(e1));
-    CUDA_CHECK(cudaGraphExecDestroy(exec));
-    CUDA_CHECK(cudaGraphDestroy(graph));
-    return ms * 1e3 / (N * R);
+    return graph_us(graph, st, N, R);
 }
 
 __global__ void fill_bf16(bf16 *p, size_t n, uint32_t seed) {

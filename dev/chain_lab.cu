@@ -17,6 +17,7 @@
  * Each row: N launches captured into one graph (with and without programmatic dependent launch), replayed R times;
  * us per kernel = the replay time / N. One H200, results in dev/gpu_notes.md. */
 #include "../laguna.cu"
+#include "lab_graph.h"
 
 #include <cooperative_groups.h>
 
@@ -175,26 +176,10 @@ static double time_chain(int kind, int G, int pdl, const uint4 *w, float *xa, fl
                          cudaStream_t st) {
     const int N = 240, R = 10;
     cudaGraph_t graph;
-    cudaGraphExec_t exec;
     CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
     for (int i = 0; i < N; i++) enqueue(kind, G, pdl, i, w, xa, xb, part, counter, st);
     CUDA_CHECK(cudaStreamEndCapture(st, &graph));
-    CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-    cudaEvent_t e0, e1;
-    CUDA_CHECK(cudaEventCreate(&e0));
-    CUDA_CHECK(cudaEventCreate(&e1));
-    CUDA_CHECK(cudaGraphLaunch(exec, st));             /* warm-up */
-    CUDA_CHECK(cudaEventRecord(e0, st));
-    for (int r = 0; r < R; r++) CUDA_CHECK(cudaGraphLaunch(exec, st));
-    CUDA_CHECK(cudaEventRecord(e1, st));
-    CUDA_CHECK(cudaEventSynchronize(e1));
-    float ms;
-    CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-    CUDA_CHECK(cudaEventDestroy(e0));
-    CUDA_CHECK(cudaEventDestroy(e1));
-    CUDA_CHECK(cudaGraphExecDestroy(exec));
-    CUDA_CHECK(cudaGraphDestroy(graph));
-    return ms * 1e3 / (N * R);
+    return graph_us(graph, st, N, R);
 }
 
 /* least squares t = a + b * MB over the rows with at least min_mb */
