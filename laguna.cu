@@ -305,6 +305,7 @@ template <int CH> __device__ __forceinline__ float stage_x(float *xs, const floa
 /* ----------------------------------------------------------------------------
  * the kernels, in model order */
 
+/* 8 floats to 8 consecutive elements (16-byte aligned), in one or two 16-byte stores */
 __device__ __forceinline__ void store8(float *d, const float f[8]) {
     ((float4 *)d)[0] = make_float4(f[0], f[1], f[2], f[3]);
     ((float4 *)d)[1] = make_float4(f[4], f[5], f[6], f[7]);
@@ -1858,8 +1859,6 @@ __global__ void gather_rows(T *dst, const float *xb, const int *pair_tok, int H)
     const float *src = xb + (size_t)pair_tok[k] * H;
     for (int i = threadIdx.x; i < H; i += blockDim.x) dst[(size_t)k * H + i] = from_f<T>(src[i]);
 }
-
-/* 8 floats to 8 consecutive elements (16-byte aligned), in one or two 16-byte stores */
 
 /* n > 1 on quantized files: rows of a q8 / q4 matrix dequantized (value * scale) for the GEMMs, into dst in the same
  * row order. With sel (the active experts: sel[0..*n_sel)) the matrix is a stack of experts of `rows` rows each and

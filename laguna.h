@@ -191,7 +191,6 @@ static inline int model_plain_dtype(const Model *m) {
     return dt;
 }
 
-
 /* laguna.c */
 int load_model(Model *m, const char *path, int kind, char *err, size_t errsz);
 void free_model(Model *m);

@@ -52,9 +52,9 @@ for dt in $DTYPES; do
     done
 done
 # the means of the decode column (tok/s) per dtype, side and context
-grep -h '' "$S" | awk '$3 ~ /^[0-9]+:$/ { for (i = 4; i + 1 <= NF; i += 3) if ($(i + 1) == "|") {
+awk '$3 ~ /^[0-9]+:$/ { for (i = 4; i + 1 <= NF; i += 3) if ($(i + 1) == "|") {
         k = $1 " " $2 " " $i; s[k] += $(i + 2); n[k]++ } }
-    END { for (k in s) printf "mean %s: %.1f tok/s (%d runs)\n", k, s[k] / n[k], n[k] }' | sort >> "$S"
+    END { for (k in s) printf "mean %s: %.1f tok/s (%d runs)\n", k, s[k] / n[k], n[k] }' "$S" | sort >> "$S"
 if [ -n "${EXTRA:-}" ] && [ -f /dev/shm/ab-bf16.bin ]; then
     timeout 200 ./dev/bench_gpu /dev/shm/ab-bf16.bin $EXTRA > "$OUT/extra.log" 2>&1
     echo "B bf16 $EXTRA:" >> "$S"; grep '^| \|rror' "$OUT/extra.log" >> "$S"

@@ -246,4 +246,3 @@ def test_kv_bf16_cpu_matches_transformers_with_a_bf16_cache(laguna, exported, tm
           f"{float(np.abs(f32c[rows] - ref_f32).max()):.3g}); --chunk 1 / 7 vs one pass {chunked:.3g}")
     # measured 2026-11-30: 2.1e-3 (a few elements sit within fp32 noise of a bf16 rounding midpoint), 100%; 1.43
     assert near <= 1e-2 and top1 == 1.0 and far > 100 * near and chunked <= 1e-5
-
