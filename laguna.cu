@@ -593,6 +593,12 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
     return *(uint32_t *)&v;
 }
+/* what pack_bf16 drops: lo + hi = the bf16 pair plus this pair, within 2^-16 of (lo, hi) */
+__device__ __forceinline__ uint32_t pack_bf16_rest(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    float2 f = __bfloat1622float2(v);
+    return pack_bf16(lo - f.x, hi - f.y);
+}
 __device__ __forceinline__ void mma_bf16(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
                  "{%0,%1,%2,%3};"
@@ -622,12 +628,14 @@ __device__ __forceinline__ uint4 fp8x8_to_bf16x8(uint2 w) {
     return make_uint4(pack_bf16(f[0], f[1]), pack_bf16(f[2], f[3]), pack_bf16(f[4], f[5]), pack_bf16(f[6], f[7]));
 }
 
-template <typename KV, int D, int WARPS>
+template <typename KV, int D, int WARPS, bool KS = false>
 __global__ void __launch_bounds__(WARPS * 32)
 attention_flash(const float *qkvg, int NQ, int n, int g, int nh, const KV *kc, const KV *vc, int rows,
                 int KVD, const int *pos_ptr, int window, int causal, int nsplit, float *part_o, float2 *part_ml,
                 float scale_log2, float *att, int gate_off, int gate_per_head) {
-    constexpr int BM = 16 * WARPS, BN = 64, LD = D + 8;   /* +8: conflict-free ldmatrix rows */
+    /* KS (one token's <= 16 rows): the warps share the rows and split each tile's keys, 16 each, then merge */
+    constexpr int BM = KS ? 16 : 16 * WARPS, BN = 64, LD = D + 8;   /* +8: conflict-free ldmatrix rows */
+    constexpr int NP = KS ? 1 : BN / 16, NT = 2 * NP;      /* 16-key blocks and 8-key tiles of a tile per warp */
     extern __shared__ __align__(16) unsigned char flash_smem[];           /* [2][BN][LD] K, then [2][BN][LD] V */
     bf16 (*Ks)[BN][LD] = reinterpret_cast<bf16 (*)[BN][LD]>(flash_smem);
     bf16 (*Vs)[BN][LD] = reinterpret_cast<bf16 (*)[BN][LD]>(flash_smem + 2 * BN * LD * sizeof(bf16));
@@ -643,14 +651,15 @@ attention_flash(const float *qkvg, int NQ, int n, int g, int nh, const KV *kc, c
     bool ok[2];
 #pragma unroll
     for (int i = 0; i < 2; i++) {
-        rr[i] = row_first + warp * 16 + gid + 8 * i;
+        rr[i] = row_first + (KS ? 0 : warp * 16) + gid + 8 * i;
         ok[i] = rr[i] < nrows;
         pr[i] = pos + (ok[i] ? rr[i] / g : 0);
         lo[i] = window ? pr[i] - window + 1 : 0;
         hi[i] = causal ? pr[i] : pos + n - 1;
     }
-    /* Q fragments in registers for the whole key loop */
-    uint32_t qf[D / 16][4];
+    /* Q fragments in registers for the whole key loop; KS (decode) also keeps what bf16 drops of q (qr) and of p,
+     * a second MMA each: q.k and p.v as exact as the fused kernel's fp32 math, where the tensor cores are idle */
+    uint32_t qf[D / 16][4], qr[KS ? D / 16 : 1][4];
 #pragma unroll
     for (int kk = 0; kk < D / 16; kk++)
 #pragma unroll
@@ -658,6 +667,10 @@ attention_flash(const float *qkvg, int NQ, int n, int g, int nh, const KV *kc, c
             const float *q = qkvg + (size_t)(rr[i] / g) * NQ + (size_t)(h * g + rr[i] % g) * D + kk * 16 + tig * 2;
             qf[kk][i] = ok[i] ? pack_bf16(q[0], q[1]) : 0u;
             qf[kk][2 + i] = ok[i] ? pack_bf16(q[8], q[9]) : 0u;
+            if constexpr (KS) {
+                qr[kk][i] = ok[i] ? pack_bf16_rest(q[0], q[1]) : 0u;
+                qr[kk][2 + i] = ok[i] ? pack_bf16_rest(q[8], q[9]) : 0u;
+            }
         }
     float o[D / 8][4] = {};
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
@@ -711,29 +724,34 @@ attention_flash(const float *qkvg, int NQ, int n, int g, int nh, const KV *kc, c
         asm volatile("cp.async.wait_group 1;" ::: "memory");       /* this tile has landed */
         __syncthreads();
 
-        float s[BN / 8][4] = {};                                    /* S = Q K^T */
+        const int k0 = KS ? warp * 16 : 0;                          /* this warp's first key in the tile */
+        float s[NT][4] = {};                                        /* S = Q K^T */
 #pragma unroll
         for (int kk = 0; kk < D / 16; kk++)
 #pragma unroll
-            for (int np = 0; np < BN / 16; np++) {
+            for (int np = 0; np < NP; np++) {
                 uint32_t b[4];
                 int mi = lane >> 3, r = lane & 7;
-                ldmatrix_x4(b, &Ks[buf][np * 16 + (mi >> 1) * 8 + r][kk * 16 + (mi & 1) * 8], false);
+                ldmatrix_x4(b, &Ks[buf][k0 + np * 16 + (mi >> 1) * 8 + r][kk * 16 + (mi & 1) * 8], false);
                 mma_bf16(s[2 * np], qf[kk], b[0], b[1]);
                 mma_bf16(s[2 * np + 1], qf[kk], b[2], b[3]);
+                if constexpr (KS) {
+                    mma_bf16(s[2 * np], qr[kk], b[0], b[1]);
+                    mma_bf16(s[2 * np + 1], qr[kk], b[2], b[3]);
+                }
             }
         float mx[2] = {-INFINITY, -INFINITY};                       /* mask, scale, row max */
         if (kt + BN <= k_end && kt + BN - 1 <= hi_all && kt >= lo_all) {
 #pragma unroll
-            for (int nt = 0; nt < BN / 8; nt++)
+            for (int nt = 0; nt < NT; nt++)
 #pragma unroll
                 for (int e = 0; e < 4; e++) { s[nt][e] *= scale_log2; mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]); }
         } else {
 #pragma unroll
-            for (int nt = 0; nt < BN / 8; nt++)
+            for (int nt = 0; nt < NT; nt++)
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
-                    int i = e >> 1, u = kt + nt * 8 + tig * 2 + (e & 1);
+                    int i = e >> 1, u = kt + k0 + nt * 8 + tig * 2 + (e & 1);
                     bool valid = ok[i] && u < k_end && u <= hi[i] && u >= lo[i];
                     s[nt][e] = valid ? s[nt][e] * scale_log2 : -INFINITY;
                     mx[i] = fmaxf(mx[i], s[nt][e]);
@@ -750,7 +768,7 @@ attention_flash(const float *qkvg, int NQ, int n, int g, int nh, const KV *kc, c
             l[i] *= corr[i];
         }
 #pragma unroll
-        for (int nt = 0; nt < BN / 8; nt++)
+        for (int nt = 0; nt < NT; nt++)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 int i = e >> 1;
@@ -762,17 +780,28 @@ attention_flash(const float *qkvg, int NQ, int n, int g, int nh, const KV *kc, c
             o[dt][0] *= corr[0]; o[dt][1] *= corr[0]; o[dt][2] *= corr[1]; o[dt][3] *= corr[1];
         }
 #pragma unroll
-        for (int kk = 0; kk < BN / 16; kk++) {                      /* O += P V */
+        for (int kk = 0; kk < NP; kk++) {                           /* O += P V */
             uint32_t a[4] = {pack_bf16(s[2 * kk][0], s[2 * kk][1]), pack_bf16(s[2 * kk][2], s[2 * kk][3]),
                              pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),
                              pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+            uint32_t ar[4] = {};
+            if constexpr (KS) {
+                ar[0] = pack_bf16_rest(s[2 * kk][0], s[2 * kk][1]);
+                ar[1] = pack_bf16_rest(s[2 * kk][2], s[2 * kk][3]);
+                ar[2] = pack_bf16_rest(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+                ar[3] = pack_bf16_rest(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+            }
 #pragma unroll
             for (int dp = 0; dp < D / 16; dp++) {
                 uint32_t b[4];
                 int mi = lane >> 3, r = lane & 7;
-                ldmatrix_x4(b, &Vs[buf][kk * 16 + (mi & 1) * 8 + r][dp * 16 + (mi >> 1) * 8], true);
+                ldmatrix_x4(b, &Vs[buf][k0 + kk * 16 + (mi & 1) * 8 + r][dp * 16 + (mi >> 1) * 8], true);
                 mma_bf16(o[2 * dp], a, b[0], b[1]);
                 mma_bf16(o[2 * dp + 1], a, b[2], b[3]);
+                if constexpr (KS) {
+                    mma_bf16(o[2 * dp], ar, b[0], b[1]);
+                    mma_bf16(o[2 * dp + 1], ar, b[2], b[3]);
+                }
             }
         }
         if constexpr (F8R)
@@ -783,6 +812,52 @@ attention_flash(const float *qkvg, int NQ, int n, int g, int nh, const KV *kc, c
     for (int i = 0; i < 2; i++) {
         l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
         l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
+    }
+    if constexpr (KS) {
+        /* merge the warps' (max, sum, output) of the shared rows through shared memory (the tiles are done); warp 0
+         * goes on with the merged row, in warp order */
+        asm volatile("cp.async.wait_group 0;" ::: "memory");
+        float *ow = reinterpret_cast<float *>(flash_smem);                         /* [WARPS][16][D] */
+        float2 *ml = reinterpret_cast<float2 *>(flash_smem + WARPS * 16 * D * sizeof(float));   /* [WARPS][16] */
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            int r = gid + 8 * i;
+#pragma unroll
+            for (int dt = 0; dt < D / 8; dt++)
+                *(float2 *)&ow[((size_t)warp * 16 + r) * D + dt * 8 + tig * 2] = make_float2(o[dt][2 * i], o[dt][2 * i + 1]);
+            if (tig == 0) ml[warp * 16 + r] = make_float2(m[i], l[i]);
+        }
+        __syncthreads();
+        if (warp != 0) return;
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            int r = gid + 8 * i;
+            float M = -INFINITY, w[WARPS];
+#pragma unroll
+            for (int k = 0; k < WARPS; k++) M = fmaxf(M, ml[k * 16 + r].x);
+            l[i] = 0.0f;
+#pragma unroll
+            for (int k = 0; k < WARPS; k++) {
+                w[k] = M == -INFINITY ? 0.0f : exp2f(ml[k * 16 + r].x - M);
+                l[i] += ml[k * 16 + r].y * w[k];
+            }
+            m[i] = M;
+#pragma unroll
+            for (int dt = 0; dt < D / 8; dt++) {
+                float a = 0.0f, b = 0.0f;
+#pragma unroll
+                for (int k = 0; k < WARPS; k++) {
+                    float2 v = *(const float2 *)&ow[((size_t)k * 16 + r) * D + dt * 8 + tig * 2];
+                    a += v.x * w[k];
+                    b += v.y * w[k];
+                }
+                o[dt][2 * i] = a;
+                o[dt][2 * i + 1] = b;
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
         if (!ok[i]) continue;
         if (nsplit == 1) {                                          /* the whole row: normalise and gate here */
             int t = rr[i] / g, hd = h * g + rr[i] % g;
@@ -1838,6 +1913,8 @@ static void prefill_kernels_setup() {
     CUDA_CHECK(cudaFuncSetAttribute(attention_flash<bf16, 128, 4>, cudaFuncAttributeMaxDynamicSharedMemorySize, flash_smem_bytes(128)));
     CUDA_CHECK(cudaFuncSetAttribute(attention_flash<fp8, 128, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize, flash_smem_bytes(128)));
     CUDA_CHECK(cudaFuncSetAttribute(attention_flash<fp8, 128, 4>, cudaFuncAttributeMaxDynamicSharedMemorySize, flash_smem_bytes(128)));
+    CUDA_CHECK(cudaFuncSetAttribute(attention_flash<bf16, 128, 4, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, flash_smem_bytes(128)));
+    CUDA_CHECK(cudaFuncSetAttribute(attention_flash<fp8, 128, 4, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, flash_smem_bytes(128)));
     CUDA_CHECK(cudaFuncSetAttribute(moe_gemm<64, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, moe_gemm_smem<64>()));
     CUDA_CHECK(cudaFuncSetAttribute(moe_gemm<64, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, moe_gemm_smem<64>()));
     CUDA_CHECK(cudaFuncSetAttribute(moe_gemm<32, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, moe_gemm_smem<32>()));
@@ -2023,6 +2100,8 @@ struct GpuModel {
     int decode_split[2];     /* attention splits per layer type for one token (fixed: the graph is reused) */
     int kv;                  /* the KV cache's type: KV_BF16, KV_F32 or KV_FP8 (--kv; default: the weights' dtype) */
     int attn_scalar;         /* LAGUNA_ATTN_SCALAR=1: the plain attention kernel on a bf16 / fp8 cache (a debug hook) */
+    int long_from;           /* from this position on, full layers' one-token attention is attention_flash<KS> */
+    int long_attn;           /* set per forward: pos >= long_from (read while enqueuing; each graph has its own) */
     int pdl;                 /* programmatic dependent launch for the decode kernels (LAGUNA_NO_PDL=1: off) */
     int pdl_now;             /* set while enqueueing a one-token forward */
     int dup, nlaunch;        /* LAGUNA_DUP=k: the k-th decode launch of every layer enqueued twice (a timing hook) */
@@ -2056,7 +2135,7 @@ struct GpuModel {
     Step *h_step, *d_step;
     cudaStream_t stream;
     cublasHandle_t blas;
-    cudaGraphExec_t graph;
+    cudaGraphExec_t graph, graph_long;   /* the decode step before long_from, and from it (if ctx reaches it) */
     int use_graph;
     char summary[256];
     /* DFlash (the section at the end of this file) */
@@ -2328,6 +2407,7 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
      * stays f32 */
     g->kv = m->kv == KV_F32 || m->kv == KV_FP8 ? m->kv : g->bf ? KV_BF16 : KV_F32;
     g->attn_scalar = getenv("LAGUNA_ATTN_SCALAR") != NULL;
+    g->long_from = getenv("LAGUNA_LONG_FROM") ? atoi(getenv("LAGUNA_LONG_FROM")) : 4096;   /* a test / tuning hook */
     g->use_graph = !getenv("LAGUNA_NO_GRAPH");    /* for the test that graph replay equals plain launches */
     g->pdl = !getenv("LAGUNA_NO_PDL");
     g->dup = getenv("LAGUNA_DUP") ? atoi(getenv("LAGUNA_DUP")) : -1;
@@ -2488,6 +2568,7 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
      * ~4 blocks per SM (splits then run several tiles each); at most 128 splits (its merge's shared memory) */
     {
         int kt = 4096 / D, most = 4 * g->nsm / c->n_kv_heads;
+        if (getenv("LAGUNA_FULL_SPLITS")) most = atoi(getenv("LAGUNA_FULL_SPLITS"));   /* a test hook: many tiles a split */
         int sw = (c->sliding_window + kt - 1) / kt, fu = (ctx + kt - 1) / kt;
         g->fused_split[ATTN_SLIDING] = sw < 1 ? 1 : sw > 128 ? 128 : sw;
         int f = fu < most ? fu : most;
@@ -2526,6 +2607,7 @@ extern "C" const char *gpu_summary(GpuModel *g) { return g->summary; }
 extern "C" void gpu_free(GpuModel *g) {
     if (!g) return;
     if (g->graph) cudaGraphExecDestroy(g->graph);
+    if (g->graph_long) cudaGraphExecDestroy(g->graph_long);
     if (g->blas) cublasDestroy(g->blas);
     void *dev[] = {g->wbuf, g->kvbuf, g->x, g->xb, g->qkvg, g->att, g->mlp_h, g->mlp_act, g->act16, g->logits,
                    g->part_o, g->part_ml, g->tokens, g->pos, g->d_step, g->counters, g->router_logits, g->topk_idx, g->topk_w,
@@ -2641,11 +2723,21 @@ static void matvec_dt(GpuModel *g, int dt, float *out, const void *w, int rows, 
     }
 }
 
+/* One token on a full layer at long context: the fused kernel's tile loop does its q.k and p.v on CUDA cores, ~1,500
+ * FMAs per 512 bytes of K/V (GQA group 6), and streams only ~0.8 TB/s; the tensor-core flash kernel with its 4 warps
+ * splitting each tile's keys (attention_flash<KS>, after qk_norm_rope_kernel, merged by attention_combine) streams
+ * 2.5 TB/s. Measured on the H200 (dev/gpu_notes.md, round 6): decode at 8K / 32K / 128K 290.5 / 214.3 / 104 tok/s
+ * before, 316.8 / 290.9 / 215.5 after; at 512 the two extra launches cost 0.8%, so positions below long_from keep
+ * the fused kernel (a second decode graph). Serves bf16 files with a bf16 or fp8 cache (the flash kernel's inputs). */
+static int long_decode_attention(const GpuModel *g, int l, int n) {
+    return n == 1 && g->long_attn && g->c.layer_type[l] == ATTN_FULL && g->c.causal && g->kv != KV_F32 && g->bf &&
+           !g->attn_scalar && g->L[l].nh / g->c.n_kv_heads <= 16;
+}
 /* one token with the fused decode attention (q/k norm and RoPE inside): group <= 8, D a power of two 16..128 */
 static int fused_decode_attention(const GpuModel *g, int l, int n) {
     int D = g->c.head_dim;
     return n == 1 && g->c.gated && g->c.causal && g->L[l].nh / g->c.n_kv_heads <= 8 && !g->attn_scalar &&
-           (D == 16 || D == 32 || D == 64 || D == 128);
+           (D == 16 || D == 32 || D == 64 || D == 128) && !long_decode_attention(g, l, n);
 }
 
 static void attention(GpuModel *g, int l, int n, int pos) {
@@ -2685,11 +2777,13 @@ static void attention(GpuModel *g, int l, int n, int pos) {
         KV_SWITCH(g, SCALAR);
 #undef SCALAR
     } else {
-        int warps = n * gq <= 16 ? 1 : 4, rb = (n * gq + 16 * warps - 1) / (16 * warps);
+        const bool ks = long_decode_attention(g, l, n);
+        int warps = n * gq <= 16 && !ks ? 1 : 4, rb = ks ? 1 : (n * gq + 16 * warps - 1) / (16 * warps);
         if (n == 1) nsplit = g->decode_split[c->layer_type[l]];
         else nsplit = split_for(g, sliding ? window + n - 1 : pos + n, rb, n);
         dim3 grid(rb, nkv, nsplit);
-#define FLASH(KV, DD, WW) attention_flash<KV, DD, WW><<<grid, WW * 32, flash_smem_bytes(DD), g->stream>>>(g->qkvg, L->NQ, n, \
+#define FLASH(KV, DD, WW) (ks ? attention_flash<KV, DD, WW, true> : attention_flash<KV, DD, WW, false>)<<<grid, WW * 32, \
+        flash_smem_bytes(DD), g->stream>>>(g->qkvg, L->NQ, n, \
         gq, L->nh, (const KV *)L->kc, (const KV *)L->vc, L->rows, c->kv_dim, pos_ptr, window, c->causal, nsplit, g->part_o, \
         g->part_ml, scale_log2, g->att, c->gated ? L->nh * D + 2 * c->kv_dim : -1, c->gate_per_head)
 #define FLASH_W(KV) \
@@ -2967,6 +3061,7 @@ static void enqueue_forward(GpuModel *g, const int *tokens, int n, int pos, int 
     }
     memcpy(g->h_tokens, tokens, n * sizeof(int));
     g->h_step->pos = pos;
+    g->long_attn = pos >= g->long_from;
     CUDA_CHECK(cudaMemcpyAsync(g->tokens, g->h_tokens, n * sizeof(int), cudaMemcpyHostToDevice, g->stream));
     CUDA_CHECK(cudaMemcpyAsync(g->pos, &g->h_step->pos, sizeof(int), cudaMemcpyHostToDevice, g->stream));
     forward_any(g, n, pos, all_logits);
@@ -2996,19 +3091,28 @@ static void enqueue_decode(GpuModel *g) {
 }
 
 static void capture_decode(GpuModel *g) {
-    cudaGraph_t graph;
-    CUDA_CHECK(cudaStreamBeginCapture(g->stream, cudaStreamCaptureModeThreadLocal));
-    enqueue_decode(g);
-    CUDA_CHECK(cudaStreamEndCapture(g->stream, &graph));
-    CUDA_CHECK(cudaGraphInstantiate(&g->graph, graph, 0));
-    CUDA_CHECK(cudaGraphDestroy(graph));
+    for (int lg = 0; lg < 2; lg++) {            /* positions below long_from, then (if the context reaches) from it */
+        int any = 0;                            /* a second graph only where some layer would differ */
+        g->long_attn = 1;
+        for (int l = 0; l < g->c.n_layers; l++) any |= long_decode_attention(g, l, 1);
+        if (lg && (g->ctx <= g->long_from || !any)) break;
+        cudaGraph_t graph;
+        g->long_attn = lg;
+        CUDA_CHECK(cudaStreamBeginCapture(g->stream, cudaStreamCaptureModeThreadLocal));
+        enqueue_decode(g);
+        CUDA_CHECK(cudaStreamEndCapture(g->stream, &graph));
+        CUDA_CHECK(cudaGraphInstantiate(lg ? &g->graph_long : &g->graph, graph, 0));
+        CUDA_CHECK(cudaGraphDestroy(graph));
+    }
 }
 
 extern "C" int gpu_decode_step(GpuModel *g, int token, int pos, float temperature, float topp, float coin) {
     if (pos < 0 || pos >= g->ctx) { fprintf(stderr, "laguna: error: decode at %d past the context %d\n", pos, g->ctx); exit(1); }
     Step *s = g->h_step;
     s->token = token; s->pos = pos; s->temperature = temperature; s->topp = topp; s->coin = coin; s->out = -1;
-    if (g->graph) CUDA_CHECK(cudaGraphLaunch(g->graph, g->stream));
+    g->long_attn = pos >= g->long_from;
+    cudaGraphExec_t ge = g->long_attn && g->graph_long ? g->graph_long : g->graph;
+    if (ge) CUDA_CHECK(cudaGraphLaunch(ge, g->stream));
     else enqueue_decode(g);
     CUDA_CHECK(cudaStreamSynchronize(g->stream));
     return s->out;

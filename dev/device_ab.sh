@@ -7,9 +7,11 @@
 # dev/bench_gpu at $CTX (default 512) $ROUNDS times (default 3) A, B, A, B, ... and prints each run and the means.
 # $VARIANTS: B is run once per word (default, or VAR=value[,VAR=value...] in its environment), e.g.
 # VARIANTS="default LAGUNA_X=1"; the label in ab.txt is B or B:word.
-# $EXTRA: one more B-only bench_gpu command line (arguments after the file, e.g. "--kv fp8 8192 131072"), on bf16.
-# $TESTS=1: then `make test-gpu` on B until $DEADLINE s (default 585) after the start (a call is 600 s at most),
-# with $TEST_ENV (VAR=value words) in its environment: the tests' ./laguna runs inherit it.
+# $EXTRA: more B-only bench_gpu command lines (arguments after the file, e.g. "--kv fp8 8192 131072"; several
+# separated by ';', each optionally "VAR=x VAR2=y|" first for its environment), on the bf16 file.
+# $TESTS=1: then the GPU tests (make test-gpu's) on B until $DEADLINE s (default 585) after the start (a call is 600 s at most),
+# with $TEST_ENV (VAR=value words) in its environment: the tests' ./laguna runs inherit it; $TEST_K: only the tests
+# a pytest -k expression selects.
 # Logs under $OUT: ab.txt (the lines to read), build_a.log, build_b.log, runs/, test.log.
 set -u
 cd "$(dirname "$0")/.."
@@ -56,12 +58,19 @@ awk '$3 ~ /^[0-9]+:$/ { for (i = 4; i + 1 <= NF; i += 3) if ($(i + 1) == "|") {
         k = $1 " " $2 " " $i; s[k] += $(i + 2); n[k]++ } }
     END { for (k in s) printf "mean %s: %.1f tok/s (%d runs)\n", k, s[k] / n[k], n[k] }' "$S" | sort >> "$S"
 if [ -n "${EXTRA:-}" ] && [ -f /dev/shm/ab-bf16.bin ]; then
-    timeout 200 ./dev/bench_gpu /dev/shm/ab-bf16.bin $EXTRA > "$OUT/extra.log" 2>&1
-    echo "B bf16 $EXTRA:" >> "$S"; grep '^| \|rror' "$OUT/extra.log" >> "$S"
+    IFS=';' read -ra extras <<< "$EXTRA"
+    for ex in "${extras[@]}"; do
+        envs=; args=$ex; [[ $ex == *'|'* ]] && envs=${ex%%|*} && args=${ex#*|}   # "VAR=x VAR2=y|args"
+        timeout 200 env $envs ./dev/bench_gpu /dev/shm/ab-bf16.bin $args >> "$OUT/extra.log" 2>&1
+        echo "B bf16 $ex:" >> "$S"; grep '^| \|rror' "$OUT/extra.log" | tail -n +$(( ${seen:-0} + 1 )) >> "$S"
+        seen=$(grep -c '^| \|rror' "$OUT/extra.log")
+    done
 fi
 rm -f /dev/shm/ab-*.bin
 echo "benches done in $(( $(date +%s) - t0 )) s" >> "$S"
 [ "${TESTS:-0}" = 1 ] || exit 0
-timeout $(( ${DEADLINE:-585} - ($(date +%s) - t0) )) env ${TEST_ENV:-} make test-gpu > "$OUT/test.log" 2>&1
-echo "make test-gpu rc $? at $(( $(date +%s) - t0 )) s" >> "$S"
+if [ -n "${TEST_K:-}" ]; then set -- -k "$TEST_K"; else set --; fi   # TEST_K: a pytest -k expression
+timeout $(( ${DEADLINE:-585} - ($(date +%s) - t0) )) env ${TEST_ENV:-} \
+    python3 -m pytest -q -s -rs test/test_gpu.py test/test_gpu_fidelity.py "$@" > "$OUT/test.log" 2>&1
+echo "GPU tests rc $? at $(( $(date +%s) - t0 )) s" >> "$S"
 grep "\[gpu\|passed\|failed\|XFAIL\|^E  " "$OUT/test.log" | cut -c1-220 | tail -80 >> "$S"
