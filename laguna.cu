@@ -2726,9 +2726,10 @@ static void matvec_dt(GpuModel *g, int dt, float *out, const void *w, int rows, 
 /* One token on a full layer at long context: the fused kernel's tile loop does its q.k and p.v on CUDA cores, ~1,500
  * FMAs per 512 bytes of K/V (GQA group 6), and streams only ~0.8 TB/s; the tensor-core flash kernel with its 4 warps
  * splitting each tile's keys (attention_flash<KS>, after qk_norm_rope_kernel, merged by attention_combine) streams
- * 2.5 TB/s. Measured on the H200 (dev/gpu_notes.md, round 6): decode at 8K / 32K / 128K 290.5 / 214.3 / 104 tok/s
- * before, 316.8 / 290.9 / 215.5 after; at 512 the two extra launches cost 0.8%, so positions below long_from keep
- * the fused kernel (a second decode graph). Serves bf16 files with a bf16 or fp8 cache (the flash kernel's inputs). */
+ * ~3 TB/s at 32K-128K. Measured on the H200 (dev/gpu_notes.md, round 6): decode at 8K / 32K / 128K 290.5 / 214.3 /
+ * 104 tok/s before, 316.8 / 290.9 / 215.5 after; at 512 the two extra launches cost 0.8%, so positions below
+ * long_from keep the fused kernel (a second decode graph). Serves bf16 files with a bf16 or fp8 cache (the flash
+ * kernel's inputs). */
 static int long_decode_attention(const GpuModel *g, int l, int n) {
     return n == 1 && g->long_attn && g->c.layer_type[l] == ATTN_FULL && g->c.causal && g->kv != KV_F32 && g->bf &&
            !g->attn_scalar && g->L[l].nh / g->c.n_kv_heads <= 16;
