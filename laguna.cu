@@ -3091,20 +3091,22 @@ static void enqueue_decode(GpuModel *g) {
     CUDA_CHECK(cudaMemcpyAsync(&g->h_step->out, &g->d_step->out, sizeof(int), cudaMemcpyDeviceToHost, g->stream));
 }
 
+static void capture_decode_one(GpuModel *g, int long_attn, cudaGraphExec_t *exec) {
+    cudaGraph_t graph;
+    g->long_attn = long_attn;
+    CUDA_CHECK(cudaStreamBeginCapture(g->stream, cudaStreamCaptureModeThreadLocal));
+    enqueue_decode(g);
+    CUDA_CHECK(cudaStreamEndCapture(g->stream, &graph));
+    CUDA_CHECK(cudaGraphInstantiate(exec, graph, 0));
+    CUDA_CHECK(cudaGraphDestroy(graph));
+}
+/* the step for positions below long_from, and, if the context reaches it and some layer would differ, from it */
 static void capture_decode(GpuModel *g) {
-    for (int lg = 0; lg < 2; lg++) {            /* positions below long_from, then (if the context reaches) from it */
-        int any = 0;                            /* a second graph only where some layer would differ */
-        g->long_attn = 1;
-        for (int l = 0; l < g->c.n_layers; l++) any |= long_decode_attention(g, l, 1);
-        if (lg && (g->ctx <= g->long_from || !any)) break;
-        cudaGraph_t graph;
-        g->long_attn = lg;
-        CUDA_CHECK(cudaStreamBeginCapture(g->stream, cudaStreamCaptureModeThreadLocal));
-        enqueue_decode(g);
-        CUDA_CHECK(cudaStreamEndCapture(g->stream, &graph));
-        CUDA_CHECK(cudaGraphInstantiate(lg ? &g->graph_long : &g->graph, graph, 0));
-        CUDA_CHECK(cudaGraphDestroy(graph));
-    }
+    int differs = 0;
+    g->long_attn = 1;
+    for (int l = 0; l < g->c.n_layers; l++) differs |= long_decode_attention(g, l, 1);
+    capture_decode_one(g, 0, &g->graph);
+    if (differs && g->ctx > g->long_from) capture_decode_one(g, 1, &g->graph_long);
 }
 
 extern "C" int gpu_decode_step(GpuModel *g, int token, int pos, float temperature, float topp, float coin) {
