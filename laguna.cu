@@ -446,9 +446,10 @@ __global__ void __launch_bounds__(256, NCH == 1 && ROWS < 8 ? 3 : 2) matvec_kern
  * rows (a step), RPW steps per warp. Each lane's NCH chunks of the first step's rows are loaded before the wait on
  * the previous kernel; later steps' before the current one is summed. Quantized formats (EARLY: their chunks are
  * small) also load the second step and the thread's RMSNorm weights before the wait, so that after it only x is
- * read: in the decode graph +4.5% tok/s for q4, +2% for q8. bf16 lost 3% with it and 5% with only the norm loop
- * unrolled, so it keeps this plain order (dev/gpu_notes.md, round 5). x (normed when norm_w is given: the block's
- * sum of squares) is staged once per block in shared memory: RPW > 1 spreads that L2 read over more rows. */
+ * read: in the decode graph +4.5% tok/s for q4, +2% for q8. bf16 lost 3% with that register version, so bf16 / f32
+ * copy their norm weights into shared memory before the wait instead (no registers held across it): +1.6% at 512
+ * (dev/gpu_notes.md, rounds 5 and 7). x (normed when norm_w is given: the block's sum of squares) is staged once per
+ * block in shared memory: RPW > 1 spreads that L2 read over more rows. */
 template <typename W, int NCH, int RPW>
 __global__ void __launch_bounds__(256) matvec_warp(float *out, WPtr w, int rows, int in, const float *x,
                                                    const float *norm_w, float eps, float *xb_out, const float *bias,
@@ -467,6 +468,10 @@ __global__ void __launch_bounds__(256) matvec_warp(float *out, WPtr w, int rows,
     };
     constexpr bool EARLY = is_q<W>;
     load_step(0);
+    __shared__ float nws[EARLY ? 1 : 32 * CH * NCH];  /* !EARLY: the norm weights, copied before the wait */
+    if constexpr (!EARLY)
+        if (norm_w)
+            for (int k = tid; k < in; k += 256) nws[k] = norm_w[k];
     float nwv[NW];                                  /* EARLY: the norm weights of the elements this thread stages */
     if constexpr (EARLY) {
         if (RPW > 1) load_step(1);
@@ -490,7 +495,7 @@ __global__ void __launch_bounds__(256) matvec_warp(float *out, WPtr w, int rows,
                 put(tid + 256 * i, nwv[i]);
             }
         } else {
-            for (int k = tid; k < in; k += 256) put(k, norm_w[k]);
+            for (int k = tid; k < in; k += 256) put(k, nws[k]);   /* each thread its own elements: no barrier */
         }
     }
     __syncthreads();
@@ -971,6 +976,7 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
     __shared__ __align__(16) float qs[G][D];            /* q, normed, roped, times scale * log2(e) */
     __shared__ __align__(16) float kn[D], vn[D];        /* the new key and value, as the cache holds them */
     __shared__ float cs[D / 2], sn[D / 2], hm[G], hl[G], hc[G], sw[128][G], sL[G];
+    __shared__ float nws[2][D];                         /* q_norm, k_norm: weights, read before the wait */
     __shared__ __align__(16) union { float raw[G + 2][D]; float sc[G][KT]; float wo[8][G][D]; } sm;
     __shared__ int last;
     const int kvh = blockIdx.x, split = blockIdx.y, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -985,8 +991,16 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
         cs[i] = cosf(f) * rscale;
         sn[i] = sinf(f) * rscale;
     }
+    for (int i = tid; i < D; i += 256) { nws[0][i] = q_norm[i]; nws[1][i] = k_norm[i]; }
     griddep_wait();                                     /* q/k/v/g come from the matvec */
     griddep_launch();
+    /* CL: block j of the cluster (its split: the cluster spans the splits) merges head j; its gate now, not after
+     * the merge's barriers */
+    float gate_v = 1.0f;
+    if (CL && split < g && tid < D && gate_off >= 0) {
+        int hd = kvh * g + split;
+        gate_v = softplus(qkvg[gate_off + (gate_per_head ? hd : hd * D + tid)]);
+    }
 
     /* q heads of this group, the new k and v: raw into shared memory, then per-vector norm and RoPE */
     for (int i = tid; i < (g + 2) * D; i += 256) {
@@ -1008,7 +1022,7 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
             }
             continue;
         }
-        const float *nw = j < g ? q_norm : k_norm;
+        const float *nw = nws[j < g ? 0 : 1];
         float ss = 0.0f;
         for (int d = lane; d < D; d += 32) ss += b[d] * b[d];
         float inv = 1.0f / sqrtf(warp_sum(ss) / D + eps);
@@ -1129,7 +1143,7 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
         namespace cg = cooperative_groups;
         cg::cluster_group cluster = cg::this_cluster();
         cluster.sync();
-        const int j = (int)cluster.block_rank();
+        const int j = split;                            /* the head this block merges (gate_v is its gate) */
         if (j < g && tid < D) {
             float M = -INFINITY, L = 0.0f, acc = 0.0f;
             for (int r = 0; r < CL; r++) M = fmaxf(M, *cluster.map_shared_rank(&hm[j], r));
@@ -1138,9 +1152,7 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
                 L += *cluster.map_shared_rank(&hl[j], r) * w;
                 acc += cluster.map_shared_rank(&po[0][0], r)[j * D + tid] * w;
             }
-            int hd = kvh * g + j;
-            const float *gate = qkvg + gate_off;
-            att[(size_t)hd * D + tid] = acc / L * (gate_off < 0 ? 1.0f : softplus(gate[gate_per_head ? hd : hd * D + tid]));
+            att[(size_t)(kvh * g + j) * D + tid] = acc / L * gate_v;
         }
         cluster.sync();
 #else
@@ -2407,7 +2419,7 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
      * stays f32 */
     g->kv = m->kv == KV_F32 || m->kv == KV_FP8 ? m->kv : g->bf ? KV_BF16 : KV_F32;
     g->attn_scalar = getenv("LAGUNA_ATTN_SCALAR") != NULL;
-    g->long_from = getenv("LAGUNA_LONG_FROM") ? atoi(getenv("LAGUNA_LONG_FROM")) : 4096;   /* a test / tuning hook */
+    g->long_from = getenv("LAGUNA_LONG_FROM") ? atoi(getenv("LAGUNA_LONG_FROM")) : 1024;   /* a test / tuning hook */
     g->use_graph = !getenv("LAGUNA_NO_GRAPH");    /* for the test that graph replay equals plain launches */
     g->pdl = !getenv("LAGUNA_NO_PDL");
     g->dup = getenv("LAGUNA_DUP") ? atoi(getenv("LAGUNA_DUP")) : -1;
@@ -2727,9 +2739,9 @@ static void matvec_dt(GpuModel *g, int dt, float *out, const void *w, int rows, 
  * FMAs per 512 bytes of K/V (GQA group 6), and streams only ~0.8 TB/s; the tensor-core flash kernel with its 4 warps
  * splitting each tile's keys (attention_flash<KS>, after qk_norm_rope_kernel, merged by attention_combine) streams
  * ~3 TB/s at 32K-128K. Measured on the H200 (dev/gpu_notes.md, round 6): decode at 8K / 32K / 128K 290.5 / 214.3 /
- * 104 tok/s before, 316.8 / 290.9 / 215.5 after; at 512 the two extra launches cost 0.8%, so positions below
- * long_from keep the fused kernel (a second decode graph). Serves bf16 files with a bf16 or fp8 cache (the flash
- * kernel's inputs). */
+ * 104 tok/s before, 316.8 / 290.9 / 215.5 after; at 512 the two extra launches cost 0.8%, at 2048 it was 1.8%
+ * faster and at 4096 4.5% (round 7), so positions below long_from (1024) keep the fused kernel (a second decode
+ * graph). Serves bf16 files with a bf16 or fp8 cache (the flash kernel's inputs). */
 static int long_decode_attention(const GpuModel *g, int l, int n) {
     return n == 1 && g->long_attn && g->c.layer_type[l] == ATTN_FULL && g->c.causal && g->kv != KV_F32 && g->bf &&
            !g->attn_scalar && g->L[l].nh / g->c.n_kv_heads <= 16;

@@ -144,7 +144,7 @@ def test_gpu_decode_attention_many_tiles(laguna_gpu, exported, kv, tmp_path):
 
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])
 def test_gpu_long_context_decode_attention(laguna_gpu, exported, kv, tmp_path):
-    """From position LAGUNA_LONG_FROM (4096; 0 here) full layers' one-token attention is the tensor-core kernel whose
+    """From position LAGUNA_LONG_FROM (1024; 0 here) full layers' one-token attention is the tensor-core kernel whose
     warps split the keys (with a second decode graph). On the bf16 fixture, token by token: with a bf16 cache the
     fused kernel's logits within the bf16 bar (measured 0.0094); greedy identical to the fused path's and graph ==
     plain launches with either cache. With an e4m3 cache the logits are printed, not held to the bar: the two paths
@@ -249,7 +249,7 @@ def test_gpu_mid_size_random_model(laguna_gpu, mid_model, tmp_path):
     gpu1, _ = score(laguna_gpu, mid, str(ids_file), tmp_path, *common, "--chunk", "1")
     exact, _ = score(laguna_gpu, mid, str(ids_file), tmp_path, *common, "--chunk", "1",
                      "--kv", "f32")
-    # full layers by the long-context kernel (attention_flash<KS>, from position 0 here instead of 4096)
+    # full layers by the long-context kernel (attention_flash<KS>, from position 0 here instead of 1024)
     gpu1_long, _ = score(laguna_gpu, mid, str(ids_file), tmp_path, *common, "--chunk", "1",
                          env=dict(os.environ, LAGUNA_LONG_FROM="0"))
     d_exact = float(np.abs(exact - cpu).max())
