@@ -383,6 +383,18 @@ __device__ __forceinline__ void matvec_rows(float *out, WPtr w, int rows, int in
         for (int u = 0; u < NCH; u++)
             if (tid + u * 256 < C) c[j][u] = wload<W>(wr, (tid + u * 256) * CH);
     }
+    constexpr bool NWE = !is_q<W> && NCH <= 2;      /* the router's case: its norm weights before the wait too */
+    float nwr[NWE ? NCH : 1][CH];
+    if constexpr (NWE)
+        if (norm_w)
+#pragma unroll
+            for (int u = 0; u < NCH; u++)
+#pragma unroll
+                for (int b = 0; b < CH / 8; b++) {
+                    int k = (tid + u * 256) * CH + 8 * b;
+                    if (k < in) load_x8(norm_w + k, &nwr[u][8 * b]);
+                }
+    const float prev = accumulate && tid < ROWS && r0 + tid < rows ? out[r0 + tid] : 0.0f;   /* see matvec() */
     griddep_wait();                                 /* x is the previous kernel's output */
     griddep_launch();
     float xv[NCH][CH], ss = 0.0f;
@@ -404,7 +416,8 @@ __device__ __forceinline__ void matvec_rows(float *out, WPtr w, int rows, int in
                 int k = (tid + u * 256) * CH + 8 * b;
                 if (k >= in) continue;
                 float nw[8], *xu = &xv[u][8 * b];
-                load_x8(norm_w + k, nw);
+                if constexpr (NWE) for (int i = 0; i < 8; i++) nw[i] = nwr[u][8 * b + i];
+                else load_x8(norm_w + k, nw);
                 for (int i = 0; i < 8; i++) xu[i] = nw[i] * (xu[i] * inv);
                 if (xb_out && blockIdx.x == 0) for (int i = 0; i < 8; i++) xb_out[k + i] = xu[i];
             }
@@ -431,7 +444,7 @@ __device__ __forceinline__ void matvec_rows(float *out, WPtr w, int rows, int in
         for (int i = 0; i < 8; i++) s += red[i][tid];
         int r = r0 + tid;
         if (bias) s += bias[r];
-        out[r] = accumulate ? out[r] + s : s;
+        out[r] = accumulate ? prev + s : s;
     }
 }
 
@@ -478,6 +491,11 @@ __global__ void __launch_bounds__(256) matvec_warp(float *out, WPtr w, int rows,
 #pragma unroll
         for (int i = 0; i < NW; i++) nwv[i] = norm_w && tid + 256 * i < in ? norm_w[tid + 256 * i] : 0.0f;
     }
+    float prev[RPW][RG];                            /* accumulate: the rows' old values, read before the wait */
+#pragma unroll
+    for (int j = 0; j < RPW; j++)
+#pragma unroll
+        for (int i = 0; i < RG; i++) prev[j][i] = accumulate && lane == 0 && r0 + j * RG + i < rows ? out[r0 + j * RG + i] : 0.0f;
     griddep_wait();                                 /* x is the previous kernel's output */
     griddep_launch();
     float ss = stage_x<CH>(xs, x, in);
@@ -513,7 +531,7 @@ __global__ void __launch_bounds__(256) matvec_warp(float *out, WPtr w, int rows,
             int r = r0 + j * RG + i;
             if (lane == 0 && r < rows) {
                 if (bias) a += bias[r];
-                out[r] = accumulate ? out[r] + a : a;
+                out[r] = accumulate ? prev[j][i] + a : a;
             }
         };
         if constexpr (RG == 1) finish(0);           /* (a loop here, even of one trip, kept nvcc from unrolling j) */
@@ -1623,7 +1641,8 @@ __global__ void __launch_bounds__(256) moe_gate_up_decode(WPtr experts_gu, int I
  * I = S = 512: 18 loads per lane; quantized, UD = 1 chunk per lane and row: 16 (Q8) or 32 (Q4) columns per lane)
  * are loaded BEFORE the wait on moe_gate_up_decode. The plan (active, n_active, pair_w) is the router's, two
  * kernels back: every kernel of the chain waits before it lets its successor start, so when this one starts the
- * router has completed. Only h_pair / hs (the previous kernel's) need the wait. */
+ * router has completed. So the row's residual x[j] (o_proj's, three kernels back) is read before the wait too; only
+ * h_pair / hs (the previous kernel's) need it. */
 template <typename W>
 __global__ void __launch_bounds__(256, 2) moe_down_decode(float *x, WPtr experts_down, int I, WPtr always_down,
                                                        int S, int H, const int *active, const int *n_active,
@@ -1647,6 +1666,7 @@ __global__ void __launch_bounds__(256, 2) moe_down_decode(float *x, WPtr experts
 #pragma unroll
     for (int u = 0; u < UD; u++)
         if (row && (lane + 32 * u) * CH < S) cs[u] = wload<W>(ws, (lane + 32 * u) * CH);
+    const float xj = row ? x[j] : 0.0f;              /* the residual */
     griddep_wait();                                   /* h_pair and hs */
     griddep_launch();
     if (!row) return;
@@ -1683,7 +1703,7 @@ __global__ void __launch_bounds__(256, 2) moe_down_decode(float *x, WPtr experts
         }
     }
     sh = warp_sum(sh);
-    if (lane == 0) x[j] += sh + routed * scaling;
+    if (lane == 0) x[j] = xj + (sh + routed * scaling);
 }
 
 /* x[t] += ys[t] + scaling * sum_j w_j * y_pair[(t, j)], the slots summed in ascending expert id */
@@ -2700,7 +2720,9 @@ static void launch(GpuModel *g, void (*kernel)(P...), dim3 grid, dim3 block, siz
     if (g->pdl_now && g->nlaunch++ == g->dup) CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, ((P)args)...));
 }
 
-/* the decode matvec: 8 weight loads per thread, spread over ROWS rows x NCH chunks per row (in <= 256 * CH * NCH) */
+/* the decode matvec: 8 weight loads per thread, spread over ROWS rows x NCH chunks per row (in <= 256 * CH * NCH).
+ * accumulate (out += W x: o_proj into the residual stream) reads out before the wait on the previous kernel, so out
+ * must be older than that kernel's output (the residual: the previous layer's down projection, 3+ kernels back). */
 template <typename W>
 static void matvec(GpuModel *g, float *out, const void *w, int rows, int in, const float *x, const float *norm_w,
                    float *xb_out, const float *bias, int accumulate) {
