@@ -73,6 +73,85 @@ __device__ float block_sum(float v) {
     return s;
 }
 
+/* ---- the decode-step trace: only with -DLAGUNA_TRACE (make dev/bench_gpu_trace; dev/trace_summary.py) ----
+ * TRACE_BLOCK(); as a kernel's first statement records, for each of its blocks, when it started, when its
+ * griddep_wait() returned and when its last thread left: %globaltimer (ns, one clock for the whole GPU) and, in case
+ * that timer is coarse, clock64() (cycles of the block's SM). Thread 0 notes the start and takes a record slot (the
+ * atomic's result is first needed at the end); griddep_wait() notes its return in thread 0; at exit (a destructor:
+ * every return path) each group of threads leaving together counts itself, and the group that completes the count
+ * writes the record, so the end is the block's last thread. Costs: a barrier at the start, a global atomic, a shared
+ * atomic per warp and a record store at the end. Tracing is on while trace_next < TRACE_CAP (gpu_decode_trace sets
+ * it to 0 for one step); records past the buffer are dropped. Without LAGUNA_TRACE both macros are empty. */
+#ifdef LAGUNA_TRACE
+struct TraceRec {
+    uint64_t gridid;                  /* %gridid: the launch (dev/trace_summary.py groups blocks by it) */
+    uint32_t block, smid;             /* the linear block index, the SM it ran on */
+    uint64_t t_start, t_wait, t_end;  /* %globaltimer, ns; t_wait 0: the block left before any griddep_wait() */
+    uint64_t clk_start;               /* clock64() at the start (per SM: for aligning SMs' clocks) */
+    uint32_t cyc_wait, cyc_end;       /* clock64() cycles start -> wait return, wait return (or start) -> end */
+};
+constexpr unsigned TRACE_CAP = 1u << 20, TRACE_OFF = 1u << 31;
+__device__ TraceRec trace_buf[TRACE_CAP];
+__device__ unsigned trace_next = TRACE_OFF;        /* the next record; >= TRACE_CAP: off */
+struct TraceShared { uint64_t t_start, t_wait, c_start, c_wait; unsigned slot, done; };
+__shared__ TraceShared trace_sh;                    /* one per block, in every kernel that uses it */
+__device__ __forceinline__ uint64_t trace_ns() {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+__device__ __forceinline__ bool trace_thread0() { return threadIdx.x == 0 && threadIdx.y == 0 && threadIdx.z == 0; }
+struct TraceBlock {
+    unsigned slot = TRACE_CAP;                      /* thread 0: this block's record */
+    __device__ TraceBlock() {
+        if (trace_thread0()) {
+            trace_sh.t_start = trace_ns();
+            trace_sh.c_start = clock64();
+            trace_sh.t_wait = 0;
+            trace_sh.done = 0;
+        }
+        __syncthreads();                            /* done = 0 before any thread can leave */
+        /* = atomicAdd(&trace_next, 1), but ptxas does not warp-aggregate it: the aggregation's shuffle would wait
+         * for the result here */
+        if (trace_thread0()) slot = atomicInc(&trace_next, ~1u);
+    }
+    __device__ ~TraceBlock() {
+        if (trace_thread0()) {
+            trace_sh.slot = slot;
+            __threadfence_block();                  /* slot and t_wait before thread 0 counts itself */
+        }
+        cooperative_groups::coalesced_group left = cooperative_groups::coalesced_threads();
+        if (left.thread_rank() != 0) return;
+        unsigned n = left.size(), all = blockDim.x * blockDim.y * blockDim.z;
+        if (atomicAdd(&trace_sh.done, n) + n != all) return;
+        __threadfence_block();                      /* the last to leave: thread 0's notes are visible */
+        uint64_t t_end = trace_ns(), c_end = clock64();
+        const TraceShared &s = trace_sh;
+        if (s.slot >= TRACE_CAP) return;
+        TraceRec r;
+        asm volatile("mov.u64 %0, %%gridid;" : "=l"(r.gridid));
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(r.smid));
+        r.block = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+        r.t_start = s.t_start;
+        r.t_wait = s.t_wait;
+        r.t_end = t_end;
+        r.clk_start = s.c_start;
+        uint64_t c_wait = s.t_wait ? s.c_wait : s.c_start;
+        r.cyc_wait = (uint32_t)(c_wait - s.c_start);
+        r.cyc_end = (uint32_t)(c_end - c_wait);
+        trace_buf[s.slot] = r;
+    }
+};
+__device__ __forceinline__ void trace_waited() {
+    if (trace_thread0()) { trace_sh.t_wait = trace_ns(); trace_sh.c_wait = clock64(); }
+}
+#define TRACE_BLOCK() TraceBlock trace_block_
+#define TRACE_WAITED() trace_waited()
+#else
+#define TRACE_BLOCK() do { } while (0)
+#define TRACE_WAITED() do { } while (0)
+#endif
+
 /* Programmatic dependent launch (sm_90). The decode kernels are launched with it (see launch() below): a kernel
  * may then start while the previous one in the stream is still running, and must call griddep_wait() before it
  * reads or writes anything an earlier kernel touches (weights it may load before: they never change). Once all of
@@ -82,6 +161,7 @@ __device__ __forceinline__ void griddep_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
+    TRACE_WAITED();
 }
 __device__ __forceinline__ void griddep_launch() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -337,6 +417,7 @@ __device__ __forceinline__ void dequant_chunk(WPtr row, int k, int n, T *dst) {
 /* h = embed[token] (no scaling); a quantized row is dequantized here (value * scale, as laguna.c's weight_row) */
 template <typename W>
 __global__ void embed_kernel(float *x, WPtr embed, const int *tokens, int H) {
+    TRACE_BLOCK();
     int t = blockIdx.x;
     if constexpr (!is_q<W>) {
         const W *row = (const W *)embed.v + (size_t)tokens[t] * H;
@@ -350,6 +431,7 @@ __global__ void embed_kernel(float *x, WPtr embed, const int *tokens, int H) {
 
 /* out[t] = w * (x[t] / sqrt(mean(x[t]^2) + eps)); one block per row */
 __global__ void rmsnorm_kernel(float *out, const float *x, int ldx, const float *w, int H, float eps) {
+    TRACE_BLOCK();
     griddep_wait();
     griddep_launch();
     int t = blockIdx.x;
@@ -452,6 +534,7 @@ template <typename W, int ROWS, int NCH>
 __global__ void __launch_bounds__(256, NCH == 1 && ROWS < 8 ? 3 : 2) matvec_kernel(float *out, WPtr w, int rows, int in, const float *x,
                                                      const float *norm_w, float eps, float *xb_out,
                                                      const float *bias, int accumulate) {
+    TRACE_BLOCK();
     matvec_rows<W, ROWS, NCH>(out, w, rows, in, x, norm_w, eps, xb_out, bias, accumulate);
 }
 
@@ -467,6 +550,7 @@ template <typename W, int NCH, int RPW>
 __global__ void __launch_bounds__(256) matvec_warp(float *out, WPtr w, int rows, int in, const float *x,
                                                    const float *norm_w, float eps, float *xb_out, const float *bias,
                                                    int accumulate) {
+    TRACE_BLOCK();
     constexpr int CH = Fmt<W>::CH, RG = Fmt<W>::RG, NW = CH * NCH / 8;   /* NW: norm weights a thread applies */
     __shared__ __align__(16) float xs[32 * CH * NCH];
     const int tid = threadIdx.x, lane = tid & 31, r0 = (blockIdx.x * 8 + (tid >> 5)) * RPW * RG;
@@ -553,6 +637,7 @@ template <typename KV>
 __global__ void qk_norm_rope_kernel(float *qkvg, int NQ, int nh, int nkv, int D, const float *q_norm,
                                     const float *k_norm, const float *inv_freq, int rd, float scaling,
                                     KV *kc, KV *vc, int rows, const int *pos_ptr, float eps) {
+    TRACE_BLOCK();
     griddep_wait();
     griddep_launch();
     __shared__ float buf[4][256];
@@ -656,6 +741,7 @@ __global__ void __launch_bounds__(WARPS * 32)
 attention_flash(const float *qkvg, int NQ, int n, int g, int nh, const KV *kc, const KV *vc, int rows,
                 int KVD, const int *pos_ptr, int window, int causal, int nsplit, float *part_o, float2 *part_ml,
                 float scale_log2, float *att, int gate_off, int gate_per_head) {
+    TRACE_BLOCK();
     /* KS (one token's <= 16 rows): the warps share the rows and split each tile's keys, 16 each, then merge */
     constexpr int BM = KS ? 16 : 16 * WARPS, BN = 64, LD = D + 8;   /* +8: conflict-free ldmatrix rows */
     constexpr int NP = KS ? 1 : BN / 16, NT = 2 * NP;      /* 16-key blocks and 8-key tiles of a tile per warp */
@@ -913,6 +999,7 @@ template <typename KV>
 __global__ void attention_scalar(const float *qkvg, int NQ, int n, int g, int nh, int D, const KV *kc,
                                  const KV *vc, int rows, int KVD, const int *pos_ptr, int window, int causal,
                                  float *part_o, float2 *part_ml, float scale_log2) {
+    TRACE_BLOCK();
     griddep_wait();
     griddep_launch();
     int t = blockIdx.x, hd = blockIdx.y, lane = threadIdx.x, kvh = hd / g;
@@ -990,6 +1077,7 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
                        const int *pos_ptr, int window, int nsplit, const float *q_norm, const float *k_norm,
                        const float *inv_freq, int rd, float rscale, float eps, float *part_o, float2 *part_ml,
                        int *counter, float *att, int gate_off, int gate_per_head, float scale_log2) {
+    TRACE_BLOCK();
     constexpr int G = 8, CH = D / 8, KT = 512 / CH, KL = CH / 2;
     __shared__ __align__(16) float qs[G][D];            /* q, normed, roped, times scale * log2(e) */
     __shared__ __align__(16) float kn[D], vn[D];        /* the new key and value, as the cache holds them */
@@ -1223,6 +1311,7 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
  * The split weights go through shared memory; splits left empty by a short context are skipped. */
 __global__ void attention_combine(float *att, const float *part_o, const float2 *part_ml, int nsplit, int nh,
                                   int D, const float *qkvg, int NQ, int gate_off, int gate_per_head) {
+    TRACE_BLOCK();
     griddep_wait();
     griddep_launch();
     __shared__ float wsp[64];
@@ -1391,6 +1480,7 @@ __global__ void __launch_bounds__(256) router_decode(float *logits, WPtr w, int 
                                                      const float *bias, int K, float softcap, int *start,
                                                      int *pair_tok, float *pair_w, int *active, int *n_active,
                                                      int *counter) {
+    TRACE_BLOCK();
     matvec_rows<W, 2, NCH>(logits, w, E, H, x, norm_w, eps, xb_out, NULL, 0);
     __shared__ int last;
     __threadfence();                               /* this block's logits, visible before it is counted */
@@ -1423,6 +1513,7 @@ __global__ void __launch_bounds__(256) moe_gate_up(WPtr experts_gu, int I, WPtr 
                                                    const float *xb, int n, const int *start, const int *pair_tok,
                                                    const int *active, const int *n_active, int max_active,
                                                    float *h_pair, float *hs) {
+    TRACE_BLOCK();
     griddep_wait();
     griddep_launch();
     constexpr int CH = Fmt<W>::CH, STEP = 32 * CH;
@@ -1576,6 +1667,7 @@ template <typename W, int NCH>
 __global__ void __launch_bounds__(256) moe_gate_up_decode(WPtr experts_gu, int I, WPtr always_gu, int S,
                                                           int H, const float *xb, const int *active,
                                                           const int *n_active, float *h_pair, float *hs) {
+    TRACE_BLOCK();
     constexpr int CH = Fmt<W>::CH, RG = Fmt<W>::RG;
     __shared__ __align__(16) float xs[is_q<W> ? 32 * CH * NCH : 4];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nbS = (S + 8 * RG - 1) / (8 * RG), b = blockIdx.x;
@@ -1648,6 +1740,7 @@ __global__ void __launch_bounds__(256, 2) moe_down_decode(float *x, WPtr experts
                                                        int S, int H, const int *active, const int *n_active,
                                                        const float *pair_w, const float *h_pair, const float *hs,
                                                        float scaling) {
+    TRACE_BLOCK();
     constexpr int CH = Fmt<W>::CH, UD = is_q<W> ? 1 : 2, KS = 32 * UD * CH;   /* KS: columns per step */
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, j = blockIdx.x * 8 + warp;
     const bool row = j < H;
@@ -2004,6 +2097,7 @@ __global__ void swiglu_kernel(T *act, const float *h, size_t rows, int hid) {
 struct Step { int token, pos; float temperature, topp, coin; int out; };
 
 __global__ void __launch_bounds__(1024) sample_kernel(const float *logits, int V, Step *st) {
+    TRACE_BLOCK();
     griddep_wait();
     griddep_launch();
     __shared__ float red_v[32];
@@ -3154,6 +3248,45 @@ extern "C" int gpu_decode_step(GpuModel *g, int token, int pos, float temperatur
     CUDA_CHECK(cudaStreamSynchronize(g->stream));
     return s->out;
 }
+
+#ifdef LAGUNA_TRACE
+static int trace_cmp(const void *a, const void *b) {
+    const TraceRec *x = (const TraceRec *)a, *y = (const TraceRec *)b;
+    if (x->t_start != y->t_start) return x->t_start < y->t_start ? -1 : 1;
+    if (x->gridid != y->gridid) return x->gridid < y->gridid ? -1 : 1;
+    return x->block < y->block ? -1 : x->block > y->block;
+}
+/* gpu_decode_step with the trace on (TRACE_BLOCK above): every block of the step's kernels, sorted by start, to path
+ * as CSV (dev/trace_summary.py reads it) */
+extern "C" int gpu_decode_trace(GpuModel *g, int token, int pos, float temperature, float topp, float coin,
+                                const char *path) {
+    unsigned zero = 0, off = TRACE_OFF, n = 0;
+    CUDA_CHECK(cudaStreamSynchronize(g->stream));
+    CUDA_CHECK(cudaMemcpyToSymbolAsync(trace_next, &zero, sizeof zero, 0, cudaMemcpyHostToDevice, g->stream));
+    int out = gpu_decode_step(g, token, pos, temperature, topp, coin);   /* ends with a sync */
+    CUDA_CHECK(cudaMemcpyFromSymbolAsync(&n, trace_next, sizeof n, 0, cudaMemcpyDeviceToHost, g->stream));
+    CUDA_CHECK(cudaMemcpyToSymbolAsync(trace_next, &off, sizeof off, 0, cudaMemcpyHostToDevice, g->stream));
+    CUDA_CHECK(cudaStreamSynchronize(g->stream));
+    size_t kept = n < TRACE_CAP ? n : TRACE_CAP;
+    TraceRec *r = (TraceRec *)malloc(kept * sizeof(TraceRec) + 1);
+    if (!r) { fprintf(stderr, "laguna: error: out of memory for %zu trace records\n", kept); exit(1); }
+    CUDA_CHECK(cudaMemcpyFromSymbolAsync(r, trace_buf, kept * sizeof(TraceRec), 0, cudaMemcpyDeviceToHost, g->stream));
+    CUDA_CHECK(cudaStreamSynchronize(g->stream));
+    qsort(r, kept, sizeof(TraceRec), trace_cmp);
+    FILE *f = fopen(path, "w");
+    if (!f) { fprintf(stderr, "laguna: error: cannot write the trace to %s\n", path); exit(1); }
+    fprintf(f, "gridid,block,smid,t_start,t_wait,t_end,cyc_wait,cyc_end,clk_start\n");
+    for (size_t i = 0; i < kept; i++)
+        fprintf(f, "%llu,%u,%u,%llu,%llu,%llu,%u,%u,%llu\n", (unsigned long long)r[i].gridid, r[i].block, r[i].smid,
+                (unsigned long long)r[i].t_start, (unsigned long long)r[i].t_wait, (unsigned long long)r[i].t_end,
+                r[i].cyc_wait, r[i].cyc_end, (unsigned long long)r[i].clk_start);
+    if (fclose(f)) { fprintf(stderr, "laguna: error: writing the trace to %s failed\n", path); exit(1); }
+    fprintf(stderr, "trace: %zu block records of the step at position %d -> %s (%u dropped: buffer of %u)\n", kept,
+            pos, path, n - (unsigned)kept, TRACE_CAP);
+    free(r);
+    return out;
+}
+#endif
 
 /* ----------------------------------------------------------------------------
  * DFlash on the GPU: the same steps as the DFlash section of laguna.c, which drives them.

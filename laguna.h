@@ -208,6 +208,11 @@ float *gpu_forward(GpuModel *g, const int *tokens, int n, int pos, int all_logit
 /* one decode step on the device (a CUDA graph): forward `token` at `pos`, then sample the next token there
  * (temperature 0 = argmax; coin in [0,1) drives the top-p draw); only token ids cross to the host */
 int gpu_decode_step(GpuModel *g, int token, int pos, float temperature, float topp, float coin);
+#ifdef LAGUNA_TRACE
+/* make dev/bench_gpu_trace (laguna.cu built with -DLAGUNA_TRACE): gpu_decode_step with each kernel block's start,
+ * wait return and end recorded, written to path as CSV (dev/trace_summary.py) */
+int gpu_decode_trace(GpuModel *g, int token, int pos, float temperature, float topp, float coin, const char *path);
+#endif
 /* DFlash on the GPU: laguna.c's loop calls these where the CPU calls forward() and drafter_add_context().
  * gpu_drafter_init puts the drafter (dflash_init has checked it fits) beside the target, sharing its embedding
  * and lm_head, and makes the target capture its taps for every row it runs. */
