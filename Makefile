@@ -47,6 +47,16 @@ dev/bench_gpu: dev/bench_gpu.c laguna-cu.o $(SRC) $(HDR)
 	$(CC) $(CFLAGS) -c tokenizer.c -o tokenizer.o
 	$(NVCC) $(NVCCFLAGS) bench_gpu.o tokenizer.o laguna-cu.o -o $@ -lcublas -lm
 
+# the decode step's kernels traced block by block (LAGUNA_TRACE_OUT=FILE; dev/trace_summary.py, dev/gpu_notes.md):
+# bench_gpu against laguna.cu built with -DLAGUNA_TRACE, in objects of its own (the normal build is untouched)
+laguna-cu-trace.o: laguna.cu laguna.h
+	$(NVCC) $(NVCCFLAGS) -DLAGUNA_TRACE -c laguna.cu -o $@
+
+dev/bench_gpu_trace: dev/bench_gpu.c laguna-cu-trace.o $(SRC) $(HDR)
+	$(CC) $(CFLAGS) -Wno-unused-function -DLAGUNA_CUDA -DLAGUNA_TRACE -c dev/bench_gpu.c -o bench_gpu_trace.o
+	$(CC) $(CFLAGS) -c tokenizer.c -o tokenizer.o
+	$(NVCC) $(NVCCFLAGS) bench_gpu_trace.o tokenizer.o laguna-cu-trace.o -o $@ -lcublas -lm
+
 # DFlash at the full shapes: the drafter's cost against a decode step, and the projected speedup
 dev/bench_dflash: dev/bench_dflash.c laguna-cu.o $(SRC) $(HDR)
 	$(CC) $(CFLAGS) -Wno-unused-function -DLAGUNA_CUDA -c dev/bench_dflash.c -o bench_dflash.o
@@ -73,7 +83,7 @@ bench: dev/bench_gpu dev/matvec_lab dev/bench_dflash
 
 .PHONY: clean test cuda cuda-compile test-gpu bench
 clean:
-	rm -f laguna laguna-debug laguna-cuda dev/bench_gpu dev/bench_dflash dev/matvec_lab dev/moe_gemm_lab dev/chain_lab dev/bulk_lab *.o
+	rm -f laguna laguna-debug laguna-cuda dev/bench_gpu dev/bench_gpu_trace dev/bench_dflash dev/matvec_lab dev/moe_gemm_lab dev/chain_lab dev/bulk_lab *.o
 
 # tokenizer speed: encode a file, tokens/s on one core (make bench_tokenizer && ./bench_tokenizer MODEL.bin FILE)
 bench_tokenizer: dev/bench_tokenizer.c tokenizer.c tokenizer.h tokenizer_unicode.h

@@ -2,6 +2,8 @@
  *
  *   python3 export.py --synthetic XS-2.1 /dev/shm/xs21.bin && ./dev/bench_gpu /dev/shm/xs21.bin [contexts...]
  *   (quantized: add --dtype q8 or q4 to the export; an fp8 KV cache: ./dev/bench_gpu FILE --kv fp8 [contexts...])
+ *   make dev/bench_gpu_trace && LAGUNA_TRACE_OUT=trace.csv ./dev/bench_gpu_trace FILE 512: the same, plus one traced
+ *   decode step at the first context (dev/trace_summary.py trace.csv)
  *
  * The synthetic file has the exact Laguna-XS-2.1 shapes with its matmul weights left as holes; the weights are
  * filled on the GPU with the --random-weights hash (seed 1; q8 / q4 files get those values quantized, as the CPU
@@ -95,6 +97,11 @@ int main(int argc, char **argv) {
         double td = now_s();
         for (int i = 0; i < steps; i++) next = gpu_decode_step(g, next, pos++, 0.0f, 0.0f, 0.0f);
         double dec_s = (now_s() - td) / steps;
+#ifdef LAGUNA_TRACE
+        /* make dev/bench_gpu_trace: one more step at the first context, every kernel block timed (untimed here) */
+        const char *trace_out = getenv("LAGUNA_TRACE_OUT");
+        if (ci == 0 && trace_out) next = gpu_decode_trace(g, next, pos++, 0.0f, 0.0f, 0.0f, trace_out);
+#endif
         /* verification: 16 tokens at L with all their logits (rolled back: same position every time) */
         for (int i = 0; i < 2; i++) gpu_forward(g, ids + L, 16, L, 1);
         double tv = now_s();
