@@ -1,0 +1,180 @@
+#!/usr/bin/env python3
+"""dev/trace_summary.py -- one traced decode step, kernel by kernel (the CSV of make dev/bench_gpu_trace).
+
+    LAGUNA_TRACE_OUT=trace.csv ./dev/bench_gpu_trace FILE 512 && python3 dev/trace_summary.py trace.csv
+
+Rows of the CSV are thread blocks: gridid,block,smid,t_start,t_wait,t_end (%globaltimer ns; t_wait 0: the block left
+before griddep_wait), cyc_wait,cyc_end (clock64 cycles start -> wait, wait -> end), clk_start (clock64 at the start).
+Grids (one per kernel launch) are ordered by their first block's start. Per grid, in us from the step's first start:
+start / last start = first and last block start, wait = earliest griddep_wait return (a grid without any: its start),
+end = last block end; gap = wait - the previous grid's end, pre = wait - start (what PDL overlapped), span = end -
+wait, step = end - the previous grid's end (= gap + span: the grid's share of the step).
+The step is the embedding, the layers (split evenly into --layers, or after each kernel with the last layer's last
+kernel's block count) and lm_head + the sampler; layers whose kernels have the same block counts are one kind.
+--clock: times from each SM's clock64 (rate fitted over all blocks, one offset per SM from its %globaltimer
+readings) instead of %globaltimer itself, for when the timer's steps are coarse (the script prints them).
+"""
+import argparse
+import sys
+import warnings
+
+import numpy as np
+
+NAMES = {6: ["q/k/v/g", "attention", "o_proj", "router|norm", "gate/up", "down"],
+         8: ["q/k/v/g", "qk_norm_rope", "attn_flash", "attn_combine", "o_proj", "router|norm", "gate/up", "down"]}
+
+
+def load(path, use_clock):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")                     # an empty file: said below
+        a = np.loadtxt(path, delimiter=",", skiprows=1, dtype=np.uint64, ndmin=2)
+    if len(a) == 0:
+        sys.exit(f"{path}: no records")
+    grid, smid = a[:, 0], a[:, 2].astype(np.int64)
+    waited = a[:, 4] != 0
+    t0 = a[:, 3].min()
+    ts = (a[:, 3] - t0).astype(np.float64)                  # integers first: ns since boot do not fit a float64
+    tw = np.where(waited, a[:, 4].astype(np.int64) - np.int64(t0), 0).astype(np.float64)
+    te = (a[:, 5] - t0).astype(np.float64)
+    cw, ce = a[:, 6].astype(np.float64), a[:, 7].astype(np.float64)
+    vals = np.unique(np.concatenate([ts, tw[waited], te]))
+    res = np.diff(vals).min() if len(vals) > 1 else 0.0
+    print(f"{len(a)} blocks, {len(np.unique(grid))} grids, {len(np.unique(smid))} SMs; %globaltimer: smallest step "
+          f"between distinct readings {res:.0f} ns" + ("  (coarse: try --clock)" if res >= 200 and not use_clock else ""))
+    tw = np.where(waited, tw, ts)
+    # clock64 per SM against %globaltimer: one rate for all SMs (least squares within each SM), an offset per SM
+    c0 = a[:, 8].astype(np.int64)
+    cs = np.zeros(len(a))
+    for s in np.unique(smid):                               # cycles from the SM's first reading (float64-safe)
+        m = smid == s
+        cs[m] = (c0[m] - c0[m].min()).astype(np.float64)
+    cwt, cet = cs + cw, cs + cw + ce
+    sm3, c3, t3 = np.tile(smid, 3), np.concatenate([cs, cwt, cet]), np.concatenate([ts, tw, te])
+    _, k = np.unique(sm3, return_inverse=True)
+    cnt = np.bincount(k)
+    dc = c3 - (np.bincount(k, c3) / cnt)[k]
+    dt = t3 - (np.bincount(k, t3) / cnt)[k]
+    ghz = (dc * dc).sum() / (dc * dt).sum()
+    print(f"SM clock from clock64 against %globaltimer: {ghz:.4f} GHz")
+    if use_clock:                                           # t = cycles / ghz + the SM's offset
+        off = (np.bincount(k, t3 - c3 / ghz) / cnt)[k[:len(a)]] + res / 2   # a floored timer reads res / 2 low
+        ts, tw, te = cs / ghz + off, cwt / ghz + off, cet / ghz + off
+        tmin = ts.min()
+        ts, tw, te = ts - tmin, tw - tmin, te - tmin
+    return grid, ts, tw, te, waited
+
+
+def grids(grid, ts, tw, te, waited):
+    ids, inv = np.unique(grid, return_inverse=True)
+    n = len(ids)
+    g = {k: np.full(n, v) for k, v in (("start", np.inf), ("last", -np.inf), ("wait", np.inf), ("end", -np.inf))}
+    np.minimum.at(g["start"], inv, ts)
+    np.maximum.at(g["last"], inv, ts)
+    np.minimum.at(g["wait"], inv, np.where(waited, tw, np.inf))
+    np.maximum.at(g["end"], inv, te)
+    g["blocks"] = np.bincount(inv, minlength=n)
+    g["waited"] = np.bincount(inv, weights=waited, minlength=n).astype(int)
+    g["wait"] = np.where(np.isfinite(g["wait"]), g["wait"], g["start"])
+    o = np.argsort(g["start"], kind="stable")
+    g = {k: v[o] for k, v in g.items()}
+    prev_end = np.concatenate([[g["start"][0]], g["end"][:-1]])
+    g["gap"] = g["wait"] - prev_end
+    g["gap"][0] = 0.0
+    g["pre"] = g["wait"] - g["start"]
+    g["span"] = g["end"] - g["wait"]
+    g["step"] = g["end"] - prev_end
+    g["launch"] = g["start"] - prev_end
+    return g
+
+
+def split_layers(blocks, n_layers):
+    """the middle grids' indices per layer, or None"""
+    mid = list(range(1, len(blocks) - 2))
+    if n_layers > 0 and len(mid) % n_layers == 0 and len(mid) >= n_layers:
+        k = len(mid) // n_layers
+        return [mid[i:i + k] for i in range(0, len(mid), k)]
+    if not mid:
+        return None
+    layers, cur = [], []
+    for i in mid:                                           # each layer ends with the kernel the last layer ends with
+        cur.append(i)
+        if blocks[i] == blocks[mid[-1]]:
+            layers.append(cur)
+            cur = []
+    return layers if not cur and (n_layers <= 0 or len(layers) == n_layers) else None
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("csv")
+    ap.add_argument("--layers", type=int, default=40, help="layers in the model (default 40: XS-2.1)")
+    ap.add_argument("--clock", action="store_true", help="times from the SMs' clock64, aligned per SM")
+    ap.add_argument("--brief", action="store_true", help="in (a) only the first two and the last layer")
+    args = ap.parse_args()
+    g = grids(*load(args.csv, args.clock))
+    n = len(g["blocks"])
+    us = {k: g[k] / 1e3 for k in ("start", "last", "wait", "end", "gap", "pre", "span", "step", "launch")}
+    layers = split_layers(g["blocks"], args.layers)
+    label = [f"#{i}" for i in range(n)]
+    if n >= 3:
+        label[0], label[-2], label[-1] = "embed", "lm_head", "sample"
+    if layers:
+        for li, idx in enumerate(layers):
+            names = NAMES.get(len(idx), [f"k{j}" for j in range(len(idx))])
+            for j, i in enumerate(idx):
+                label[i] = f"L{li}.{names[j]}"
+    elif n > 3:
+        print(f"warning: the {n - 3} grids between the embedding and lm_head do not split into {args.layers} "
+              "layers of a fixed pattern (--layers N to change): the full list only", file=sys.stderr)
+
+    print("\n(a) every grid, us from the step's first start (gap: wait - previous end; pre: wait - start; span: end - "
+          "wait; step: end - previous end)")
+    hdr = f"{'#':>4} {'kernel':<18} {'blocks':>6} {'waited':>6} {'start':>9} {'last st':>9} {'wait':>9} {'end':>9} " \
+          f"{'gap':>7} {'pre':>7} {'span':>7} {'step':>7}"
+    print(hdr)
+    show = set(range(n))
+    if layers and args.brief:                               # the embedding, the first two and last layers, the end
+        show = {0, n - 2, n - 1} | set(i for idx in layers[:2] + layers[-1:] for i in idx)
+    skipped = False
+    for i in range(n):
+        if i not in show:
+            if not skipped:
+                print(f"{'...':>4}")
+            skipped = True
+            continue
+        skipped = False
+        print(f"{i:>4} {label[i]:<18} {g['blocks'][i]:>6} {g['waited'][i]:>6} {us['start'][i]:>9.2f} "
+              f"{us['last'][i]:>9.2f} {us['wait'][i]:>9.2f} {us['end'][i]:>9.2f} {us['gap'][i]:>7.2f} "
+              f"{us['pre'][i]:>7.2f} {us['span'][i]:>7.2f} {us['step'][i]:>7.2f}")
+
+    if layers:
+        kinds = {}
+        for li, idx in enumerate(layers):
+            kinds.setdefault(tuple(g["blocks"][idx]), []).append(li)
+        print(f"\n(b) per kind of layer ({len(layers)} layers; a kind: the same kernels' block counts), mean us "
+              "(launch: first start - previous end, < 0: started early under PDL)")
+        for sig, lis in kinds.items():
+            rng = ",".join(str(x) for x in lis) if len(lis) <= 8 else f"{lis[0]},{lis[1]},...,{lis[-1]}"
+            lsum = np.mean([us["step"][layers[li]].sum() for li in lis])
+            print(f"kind of {len(lis)} layer(s) [{rng}]: {lsum:.2f} us a layer")
+            print(f"  {'slot':<14} {'blocks':>6} {'launch':>7} {'pre':>7} {'gap':>7} {'span':>7} {'step':>7} "
+                  f"{'step sd':>7}")
+            names = NAMES.get(len(sig), [f"k{j}" for j in range(len(sig))])
+            for j, b in enumerate(sig):
+                idx = [layers[li][j] for li in lis]
+                m = {k: us[k][idx].mean() for k in ("launch", "pre", "gap", "span", "step")}
+                print(f"  {names[j]:<14} {b:>6} {m['launch']:>7.2f} {m['pre']:>7.2f} {m['gap']:>7.2f} "
+                      f"{m['span']:>7.2f} {m['step']:>7.2f} {us['step'][idx].std():>7.2f}")
+
+    total = us["end"][-1] - us["start"][0]
+    print(f"\nstep: {total:.1f} us from the first start to the last end, {n} grids")
+    print(f"sum of gaps {us['gap'].sum():.1f} us ({100 * us['gap'].sum() / total:.1f}%), sum of post-wait spans "
+          f"{us['span'].sum():.1f} us ({100 * us['span'].sum() / total:.1f}%), the first grid's pre-wait "
+          f"{us['pre'][0]:.1f} us; sum of pre-wait overlaps {us['pre'].sum():.1f} us (hidden under earlier grids)")
+    if n > 1 and (us["gap"][1:] < -0.5).any():
+        print(f"note: {(us['gap'][1:] < -0.5).sum()} grid(s) waited before the previous one ended (gap < -0.5 us): "
+              "not in PDL order, or the timer's resolution")
+
+
+if __name__ == "__main__":
+    main()
