@@ -9,6 +9,8 @@
 # VARIANTS="default LAGUNA_X=1"; the label in ab.txt is B or B:word.
 # $EXTRA: more B-only bench_gpu command lines (arguments after the file, e.g. "--kv fp8 8192 131072"; several
 # separated by ';', each optionally "VAR=x VAR2=y|" first for its environment), on the bf16 file.
+# $TRACE=1: B is also built with -DLAGUNA_TRACE and traces one decode step at 512 on the bf16 file (trace.csv.gz,
+# trace_summary.txt; dev/trace_summary.py's tables).
 # $TESTS=1: then the GPU tests (make test-gpu's) on B until $DEADLINE s (default 585) after the start (a call is 600 s at most),
 # with $TEST_ENV (VAR=value words) in its environment: the tests' ./laguna runs inherit it; $TEST_K: only the tests
 # a pytest -k expression selects.
@@ -34,7 +36,9 @@ DTYPES=${DTYPES:-bf16 q4 q8}
 EXP=$!
 ( cd .ab && make -j8 cuda dev/bench_gpu > "$OUT/build_a.log" 2>&1 ) &
 BA=$!
-make -j8 cuda dev/bench_gpu > "$OUT/build_b.log" 2>&1 || { tail -20 "$OUT/build_b.log" >> "$S"; exit 1; }
+TR=; [ "${TRACE:-0}" = 1 ] && TR=laguna-cu-trace.o      # its own nvcc run, in parallel; linked below
+make -j8 cuda dev/bench_gpu $TR > "$OUT/build_b.log" 2>&1 || { tail -20 "$OUT/build_b.log" >> "$S"; exit 1; }
+if [ -n "$TR" ]; then make dev/bench_gpu_trace >> "$OUT/build_b.log" 2>&1 || { tail -20 "$OUT/build_b.log" >> "$S"; exit 1; }; fi
 wait $BA || { tail -20 "$OUT/build_a.log" >> "$S"; exit 1; }
 echo "A = $(cat .ab/REF), B = this tree; built in $(( $(date +%s) - t0 )) s" >> "$S"
 wait $EXP || { tail -5 "$OUT/export.log" >> "$S"; exit 1; }   # no export running while timing
@@ -65,6 +69,12 @@ if [ -n "${EXTRA:-}" ] && [ -f /dev/shm/ab-bf16.bin ]; then
         echo "B bf16 $ex:" >> "$S"; grep '^| \|rror' "$OUT/extra.log" | tail -n +$(( ${seen:-0} + 1 )) >> "$S"
         seen=$(grep -c '^| \|rror' "$OUT/extra.log")
     done
+fi
+if [ -n "$TR" ] && [ -f /dev/shm/ab-bf16.bin ]; then
+    LAGUNA_TRACE_OUT="$OUT/trace.csv" timeout 120 ./dev/bench_gpu_trace /dev/shm/ab-bf16.bin 512 > "$OUT/trace_bench.log" 2>&1
+    echo "B bf16 traced build: $(grep '^| [0-9]' "$OUT/trace_bench.log" | cut -d'|' -f2,5)" >> "$S"
+    python3 dev/trace_summary.py "$OUT/trace.csv" > "$OUT/trace_summary.txt" 2>&1
+    gzip -f "$OUT/trace.csv"
 fi
 rm -f /dev/shm/ab-*.bin
 echo "benches done in $(( $(date +%s) - t0 )) s" >> "$S"
