@@ -89,11 +89,12 @@ struct TraceRec {
     uint64_t t_start, t_wait, t_end;  /* %globaltimer, ns; t_wait 0: the block left before any griddep_wait() */
     uint64_t clk_start;               /* clock64() at the start (per SM: for aligning SMs' clocks) */
     uint32_t cyc_wait, cyc_end;       /* clock64() cycles start -> wait return, wait return (or start) -> end */
+    uint32_t mark[6];                 /* TRACE_MARK(i) in thread 0: ns after t_start (0: not reached) */
 };
 constexpr unsigned TRACE_CAP = 1u << 20, TRACE_OFF = 1u << 31;
 __device__ TraceRec trace_buf[TRACE_CAP];
 __device__ unsigned trace_next = TRACE_OFF;        /* the next record; >= TRACE_CAP: off */
-struct TraceShared { uint64_t t_start, t_wait, c_start, c_wait; unsigned slot, done; };
+struct TraceShared { uint64_t t_start, t_wait, c_start, c_wait, mark[6]; unsigned slot, done; };
 __shared__ TraceShared trace_sh;                    /* one per block, in every kernel that uses it */
 __device__ __forceinline__ uint64_t trace_ns() {
     uint64_t t;
@@ -109,6 +110,7 @@ struct TraceBlock {
             trace_sh.c_start = clock64();
             trace_sh.t_wait = 0;
             trace_sh.done = 0;
+            for (int i = 0; i < 6; i++) trace_sh.mark[i] = 0;
         }
         __syncthreads();                            /* done = 0 before any thread can leave */
         /* = atomicAdd(&trace_next, 1), but ptxas does not warp-aggregate it: the aggregation's shuffle would wait
@@ -139,6 +141,7 @@ struct TraceBlock {
         uint64_t c_wait = s.t_wait ? s.c_wait : s.c_start;
         r.cyc_wait = (uint32_t)(c_wait - s.c_start);
         r.cyc_end = (uint32_t)(c_end - c_wait);
+        for (int i = 0; i < 6; i++) r.mark[i] = s.mark[i] ? (uint32_t)(s.mark[i] - s.t_start) : 0;
         trace_buf[s.slot] = r;
     }
 };
@@ -147,9 +150,11 @@ __device__ __forceinline__ void trace_waited() {
 }
 #define TRACE_BLOCK() TraceBlock trace_block_
 #define TRACE_WAITED() trace_waited()
+#define TRACE_MARK(i) do { if (trace_thread0()) trace_sh.mark[i] = trace_ns(); } while (0)   /* a step inside a kernel */
 #else
 #define TRACE_BLOCK() do { } while (0)
 #define TRACE_WAITED() do { } while (0)
+#define TRACE_MARK(i) do { } while (0)
 #endif
 
 /* Programmatic dependent launch (sm_90). The decode kernels are launched with it (see launch() below): a kernel
@@ -601,6 +606,7 @@ __global__ void __launch_bounds__(256) matvec_warp(float *out, WPtr w, int rows,
         }
     }
     __syncthreads();
+    TRACE_MARK(0);
 #pragma unroll
     for (int j = 0; j < RPW; j++) {
         if (j + 1 < RPW && !(EARLY && j == 0)) load_step(j + 1);
@@ -618,6 +624,7 @@ __global__ void __launch_bounds__(256) matvec_warp(float *out, WPtr w, int rows,
                 out[r] = accumulate ? prev[j][i] + a : a;
             }
         };
+        if (j == 0) TRACE_MARK(1);
         if constexpr (RG == 1) finish(0);           /* (a loop here, even of one trip, kept nvcc from unrolling j) */
         else
 #pragma unroll
@@ -1116,6 +1123,7 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
     }
     if (tid < G) { hm[tid] = -INFINITY; hl[tid] = 0.0f; }
     __syncthreads();
+    TRACE_MARK(0);
     const bool owner = kb <= pos && pos < ke;
     const size_t crow = (size_t)(pos % rows) * KVD + (size_t)kvh * D;
     for (int j = warp; j < g + 2; j += 8) {
@@ -1148,6 +1156,7 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
         }
     }
     __syncthreads();
+    TRACE_MARK(1);
 
     float o[G][8];
 #pragma unroll
@@ -1207,6 +1216,7 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
 #pragma unroll
         for (int i = 0; i < 2; i++) { kr[i] = nk[i]; vr[i] = nv[i]; }
     }
+    TRACE_MARK(2);
     __shared__ __align__(16) float po[CL ? G : 1][D];  /* CL: this split's unnormalised output, for the cluster */
     if (kb < ke) {
         /* the threads of one dim chunk: lanes CH apart, then the 8 warps (fixed order) */
@@ -1248,7 +1258,9 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
         namespace cg = cooperative_groups;
         cg::cluster_group cluster = cg::this_cluster();
+        TRACE_MARK(3);
         cluster.sync();
+        TRACE_MARK(4);
         const int j = split;                            /* the head this block merges (gate_v is its gate) */
         if (j < g && tid < D) {
             float M = -INFINITY, L = 0.0f, acc = 0.0f;
@@ -1260,6 +1272,7 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
             }
             att[(size_t)(kvh * g + j) * D + tid] = acc / L * gate_v;
         }
+        TRACE_MARK(5);
         cluster.sync();
 #else
         __trap();                                       /* clusters need sm_90: the host never picks CL then */
@@ -1482,16 +1495,19 @@ __global__ void __launch_bounds__(256) router_decode(float *logits, WPtr w, int 
                                                      int *counter) {
     TRACE_BLOCK();
     matvec_rows<W, 2, NCH>(logits, w, E, H, x, norm_w, eps, xb_out, NULL, 0);
+    TRACE_MARK(0);
     __shared__ int last;
     __threadfence();                               /* this block's logits, visible before it is counted */
     __syncthreads();
     if (threadIdx.x == 0) last = atomicAdd(counter, 1) == (int)gridDim.x - 1;
     __syncthreads();
     if (!last) return;
+    TRACE_MARK(1);
     __threadfence();
     __shared__ int ae[32];
     __shared__ float aw[32];
     decode_route(logits, bias, E, K, softcap, ae, aw);
+    TRACE_MARK(2);
     if (threadIdx.x < K) {                         /* pair k: the k-th expert by id, token 0 */
         active[threadIdx.x] = ae[threadIdx.x];
         pair_w[threadIdx.x] = aw[threadIdx.x];
@@ -1705,6 +1721,7 @@ __global__ void __launch_bounds__(256) moe_gate_up_decode(WPtr experts_gu, int I
         row0 = (size_t)active[a] * 2 * I;
         hid = I;
         dst = h_pair + (size_t)a * I;
+        TRACE_MARK(0);
         load();
     }
     if (!dst) return;
@@ -3275,11 +3292,14 @@ extern "C" int gpu_decode_trace(GpuModel *g, int token, int pos, float temperatu
     qsort(r, kept, sizeof(TraceRec), trace_cmp);
     FILE *f = fopen(path, "w");
     if (!f) { fprintf(stderr, "laguna: error: cannot write the trace to %s\n", path); exit(1); }
-    fprintf(f, "gridid,block,smid,t_start,t_wait,t_end,cyc_wait,cyc_end,clk_start\n");
-    for (size_t i = 0; i < kept; i++)
-        fprintf(f, "%llu,%u,%u,%llu,%llu,%llu,%u,%u,%llu\n", (unsigned long long)r[i].gridid, r[i].block, r[i].smid,
+    fprintf(f, "gridid,block,smid,t_start,t_wait,t_end,cyc_wait,cyc_end,clk_start,m0,m1,m2,m3,m4,m5\n");
+    for (size_t i = 0; i < kept; i++) {
+        fprintf(f, "%llu,%u,%u,%llu,%llu,%llu,%u,%u,%llu", (unsigned long long)r[i].gridid, r[i].block, r[i].smid,
                 (unsigned long long)r[i].t_start, (unsigned long long)r[i].t_wait, (unsigned long long)r[i].t_end,
                 r[i].cyc_wait, r[i].cyc_end, (unsigned long long)r[i].clk_start);
+        for (int k = 0; k < 6; k++) fprintf(f, ",%u", r[i].mark[k]);
+        fprintf(f, "\n");
+    }
     if (fclose(f)) { fprintf(stderr, "laguna: error: writing the trace to %s failed\n", path); exit(1); }
     fprintf(stderr, "trace: %zu block records of the step at position %d -> %s (%u dropped: buffer of %u)\n", kept,
             pos, path, n - (unsigned)kept, TRACE_CAP);

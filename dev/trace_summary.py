@@ -61,10 +61,17 @@ def load(path, use_clock):
         ts, tw, te = cs / ghz + off, cwt / ghz + off, cet / ghz + off
         tmin = ts.min()
         ts, tw, te = ts - tmin, tw - tmin, te - tmin
-    return grid, ts, tw, te, waited
+    # TRACE_MARK(i) (columns 9..14, when present): ns after the block's start; here: us after its own wait return
+    marks = np.full((len(a), 6), np.nan)
+    if a.shape[1] >= 15:
+        m = a[:, 9:15].astype(np.float64)
+        own_wait = (a[:, 4].astype(np.int64) - a[:, 3].astype(np.int64)).astype(np.float64)
+        own_wait = np.where(waited, own_wait, 0.0)
+        marks = np.where(m > 0, (m - own_wait[:, None]) / 1e3, np.nan)
+    return grid, ts, tw, te, waited, marks
 
 
-def grids(grid, ts, tw, te, waited):
+def grids(grid, ts, tw, te, waited, marks):
     ids, inv = np.unique(grid, return_inverse=True)
     n = len(ids)
     g = {k: np.full(n, v) for k, v in (("start", np.inf), ("last", -np.inf), ("wait", np.inf), ("end", -np.inf))}
@@ -73,6 +80,15 @@ def grids(grid, ts, tw, te, waited):
     np.minimum.at(g["wait"], inv, np.where(waited, tw, np.inf))
     np.maximum.at(g["end"], inv, te)
     g["blocks"] = np.bincount(inv, minlength=n)
+    have = ~np.isnan(marks)                                 # per grid, the mean of each mark over its blocks
+    cnt = np.zeros((n, 6))
+    tot = np.zeros((n, 6))
+    np.add.at(cnt, inv, have)
+    np.add.at(tot, inv, np.where(have, marks, 0.0))
+    g["marks"] = np.where(cnt > 0, tot / np.maximum(cnt, 1), np.nan)
+    own = np.zeros(n)                                       # and of each block's end after its own wait return
+    np.add.at(own, inv, (te - tw) / 1e3)
+    g["own"] = own / g["blocks"]
     g["waited"] = np.bincount(inv, weights=waited, minlength=n).astype(int)
     g["wait"] = np.where(np.isfinite(g["wait"]), g["wait"], g["start"])
     o = np.argsort(g["start"], kind="stable")
@@ -165,6 +181,19 @@ def main():
                 m = {k: us[k][idx].mean() for k in ("launch", "pre", "gap", "span", "step")}
                 print(f"  {names[j]:<14} {b:>6} {m['launch']:>7.2f} {m['pre']:>7.2f} {m['gap']:>7.2f} "
                       f"{m['span']:>7.2f} {m['step']:>7.2f} {us['step'][idx].std():>7.2f}")
+        if not np.isnan(g["marks"]).all():
+            print("\n(c) inside the blocks: TRACE_MARK(0..5) and the block's end, mean us after the block's own wait "
+                  "return (- : no mark)")
+            for sig, lis in kinds.items():
+                print(f"kind [{lis[0]},...]:")
+                names = NAMES.get(len(sig), [f"k{j}" for j in range(len(sig))])
+                for j in range(len(sig)):
+                    idx = [layers[li][j] for li in lis]
+                    with warnings.catch_warnings():       # a mark no block of the slot reached: nan
+                        warnings.simplefilter("ignore")
+                        mk = np.nanmean(g["marks"][idx], axis=0)
+                    cells = " ".join(f"{v:>6.2f}" if not np.isnan(v) else f"{'-':>6}" for v in mk)
+                    print(f"  {names[j]:<14} {cells}   end {g['own'][idx].mean():>6.2f}")
 
     total = us["end"][-1] - us["start"][0]
     print(f"\nstep: {total:.1f} us from the first start to the last end, {n} grids")
