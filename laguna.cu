@@ -1186,6 +1186,7 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
             if (tid % KL == 0) sm.sc[j][tid / KL] = uk < ke ? s : -INFINITY;
         }
         __syncthreads();
+        if (t0 == kb) TRACE_MARK(2);
         /* per head: the running max, this tile's probabilities and the running sum */
         for (int j = warp; j < g; j += 8) {
             float mx = -INFINITY;
@@ -1197,6 +1198,7 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
             if (lane == 0) { hl[j] = hl[j] * corr + sum; hm[j] = mn; hc[j] = corr; }
         }
         __syncthreads();
+        if (t0 == kb) TRACE_MARK(3);
         /* p . V */
         const int v0 = t0 + tid / CH, dc = (tid % CH) * 8;
         float vf[2][8];
@@ -1213,10 +1215,10 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
             for (int i = 0; i < 8; i++) o[j][i] = o[j][i] * c + p0 * vf[0][i] + p1 * vf[1][i];
         }
         __syncthreads();                                /* sc is rewritten by the next tile */
+        if (t0 == kb) TRACE_MARK(4);
 #pragma unroll
         for (int i = 0; i < 2; i++) { kr[i] = nk[i]; vr[i] = nv[i]; }
     }
-    TRACE_MARK(2);
     __shared__ __align__(16) float po[CL ? G : 1][D];  /* CL: this split's unnormalised output, for the cluster */
     if (kb < ke) {
         /* the threads of one dim chunk: lanes CH apart, then the 8 warps (fixed order) */
@@ -1258,9 +1260,8 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
         namespace cg = cooperative_groups;
         cg::cluster_group cluster = cg::this_cluster();
-        TRACE_MARK(3);
+        TRACE_MARK(5);
         cluster.sync();
-        TRACE_MARK(4);
         const int j = split;                            /* the head this block merges (gate_v is its gate) */
         if (j < g && tid < D) {
             float M = -INFINITY, L = 0.0f, acc = 0.0f;
@@ -1272,7 +1273,6 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
             }
             att[(size_t)(kvh * g + j) * D + tid] = acc / L * gate_v;
         }
-        TRACE_MARK(5);
         cluster.sync();
 #else
         __trap();                                       /* clusters need sm_90: the host never picks CL then */
