@@ -174,12 +174,6 @@ __device__ __forceinline__ void griddep_launch() {
 #endif
 }
 
-/* 16 bytes global -> shared without registers (zero-filled when !valid); completion: cp.async.wait_* */
-__device__ __forceinline__ void cp_async16(void *smem, const void *g, bool valid) {
-    uint32_t a = (uint32_t)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(a), "l"(g), "r"(valid ? 16 : 0));
-}
-
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
 __device__ __forceinline__ float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
@@ -557,7 +551,7 @@ __global__ void __launch_bounds__(256, NCH == 1 && ROWS < 8 ? 3 : 2) matvec_kern
  * copy their norm weights into shared memory before the wait instead (no registers held across it): +1.6% at 512
  * (dev/gpu_notes.md, rounds 5 and 7). x (normed when norm_w is given: the block's sum of squares) is staged once per
  * block in shared memory: RPW > 1 spreads that L2 read over more rows. */
-template <typename W, int NCH, int RPW, bool NA = false>   /* NA (experiment): norm weights by cp.async */
+template <typename W, int NCH, int RPW>
 __global__ void __launch_bounds__(256) matvec_warp(float *out, WPtr w, int rows, int in, const float *x,
                                                    const float *norm_w, float eps, float *xb_out, const float *bias,
                                                    int accumulate) {
@@ -576,16 +570,10 @@ __global__ void __launch_bounds__(256) matvec_warp(float *out, WPtr w, int rows,
     };
     constexpr bool EARLY = is_q<W>;
     load_step(0);
-    __shared__ __align__(16) float nws[EARLY ? 1 : 32 * CH * NCH];   /* !EARLY: the norm weights, copied before the wait */
+    __shared__ float nws[EARLY ? 1 : 32 * CH * NCH];  /* !EARLY: the norm weights, copied before the wait */
     if constexpr (!EARLY)
-        if (norm_w) {
-            if constexpr (NA) {
-                for (int k = tid * 4; k < in; k += 1024) cp_async16(&nws[k], norm_w + k, true);
-                asm volatile("cp.async.commit_group;" ::: "memory");
-            } else {
-                for (int k = tid; k < in; k += 256) nws[k] = norm_w[k];
-            }
-        }
+        if (norm_w)
+            for (int k = tid; k < in; k += 256) nws[k] = norm_w[k];
     float nwv[NW];                                  /* EARLY: the norm weights of the elements this thread stages */
     if constexpr (EARLY) {
         if (RPW > 1) load_step(1);
@@ -600,7 +588,6 @@ __global__ void __launch_bounds__(256) matvec_warp(float *out, WPtr w, int rows,
     griddep_wait();                                 /* x is the previous kernel's output */
     griddep_launch();
     float ss = stage_x<CH>(xs, x, in);
-    if constexpr (NA) asm volatile("cp.async.wait_all;" ::: "memory");   /* then block_sum's barrier */
     if (norm_w) {                                   /* each thread rescales the elements it staged */
         float inv = 1.0f / sqrtf(block_sum(ss) / in + eps);
         auto put = [&](int k, float wk) {
@@ -741,6 +728,10 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const void *p, bool t
     else
         asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                      : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+__device__ __forceinline__ void cp_async16(void *smem, const void *g, bool valid) {
+    uint32_t a = (uint32_t)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(a), "l"(g), "r"(valid ? 16 : 0));
 }
 
 constexpr int flash_smem_bytes(int D) { return 4 * 64 * (D + 8) * (int)sizeof(bf16); }   /* K and V, two buffers each */
@@ -1092,7 +1083,7 @@ __global__ void __launch_bounds__(256, 2)
 attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc, int rows, int KVD,
                        const int *pos_ptr, int window, int nsplit, const float *q_norm, const float *k_norm,
                        const float *inv_freq, int rd, float rscale, float eps, float *part_o, float2 *part_ml,
-                       int *counter, float *att, int gate_off, int gate_per_head, float scale_log2, int late) {
+                       int *counter, float *att, int gate_off, int gate_per_head, float scale_log2) {
     TRACE_BLOCK();
     constexpr int G = 8, CH = D / 8, KT = 512 / CH, KL = CH / 2;
     __shared__ __align__(16) float qs[G][D];            /* q, normed, roped, times scale * log2(e) */
@@ -1115,7 +1106,7 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
     }
     for (int i = tid; i < D; i += 256) { nws[0][i] = q_norm[i]; nws[1][i] = k_norm[i]; }
     griddep_wait();                                     /* q/k/v/g come from the matvec */
-    if (!late) griddep_launch();
+    griddep_launch();
     /* CL: block j of the cluster (its split: the cluster spans the splits) merges head j; its gate now, not after
      * the merge's barriers */
     float gate_v = 1.0f;
@@ -1228,7 +1219,6 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
 #pragma unroll
         for (int i = 0; i < 2; i++) { kr[i] = nk[i]; vr[i] = nv[i]; }
     }
-    if (late) griddep_launch();                         /* (experiment: o_proj's early loads after the K/V's use) */
     __shared__ __align__(16) float po[CL ? G : 1][D];  /* CL: this split's unnormalised output, for the cluster */
     if (kb < ke) {
         /* the threads of one dim chunk: lanes CH apart, then the 8 warps (fixed order) */
@@ -2253,7 +2243,6 @@ struct GpuModel {
     int decode_split[2];     /* attention splits per layer type for one token (fixed: the graph is reused) */
     int kv;                  /* the KV cache's type: KV_BF16, KV_F32 or KV_FP8 (--kv; default: the weights' dtype) */
     int attn_scalar;         /* LAGUNA_ATTN_SCALAR=1: the plain attention kernel on a bf16 / fp8 cache (a debug hook) */
-    int ns_async, attn_late; /* experiments: LAGUNA_NS_ASYNC=1, LAGUNA_ATTN_LATE=1 (dev/gpu_notes.md, round 7) */
     int long_from;           /* from this position on, full layers' one-token attention is attention_flash<KS> */
     int long_attn;           /* set per forward: pos >= long_from (read while enqueuing; each graph has its own) */
     int pdl;                 /* programmatic dependent launch for the decode kernels (LAGUNA_NO_PDL=1: off) */
@@ -2561,8 +2550,6 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
      * stays f32 */
     g->kv = m->kv == KV_F32 || m->kv == KV_FP8 ? m->kv : g->bf ? KV_BF16 : KV_F32;
     g->attn_scalar = getenv("LAGUNA_ATTN_SCALAR") != NULL;
-    g->ns_async = getenv("LAGUNA_NS_ASYNC") != NULL;
-    g->attn_late = getenv("LAGUNA_ATTN_LATE") != NULL;
     g->long_from = getenv("LAGUNA_LONG_FROM") ? atoi(getenv("LAGUNA_LONG_FROM")) : 1024;   /* a test / tuning hook */
     g->use_graph = !getenv("LAGUNA_NO_GRAPH");    /* for the test that graph replay equals plain launches */
     g->pdl = !getenv("LAGUNA_NO_PDL");
@@ -2858,8 +2845,7 @@ static void matvec(GpuModel *g, float *out, const void *w, int rows, int in, con
      * matrices. Measured on the H200 in the decode graph (dev/gpu_notes.md, rounds 2 and 5, bf16): 317 tok/s with 2
      * steps per warp, 311 with 4, 292 with 1, 309 with the block-rows kernel below, which wins for the 8192-wide
      * o_proj; for a quantized lm_head (rows >= 32768) 4 steps were +0.6% (q4) and +0.9% (q8) over 2 (round 5) */
-#define MVW(R) launch(g, g->ns_async ? matvec_warp<W, 64 / CH, R, true> : matvec_warp<W, 64 / CH, R>, \
-                      dim3((rows + 8 * R * RG - 1) / (8 * R * RG)), dim3(256), 0, out, m, \
+#define MVW(R) launch(g, matvec_warp<W, 64 / CH, R>, dim3((rows + 8 * R * RG - 1) / (8 * R * RG)), dim3(256), 0, out, m, \
                       rows, in, x, norm_w, g->c.norm_eps, xb_out, bias, accumulate)
     int nch = (in + 256 * CH - 1) / (256 * CH);    /* chunks per thread and row in the block-rows kernel */
     if (in <= 2048 && rows >= 32768 && is_q<W>) MVW(4);
@@ -2918,7 +2904,7 @@ static void attention(GpuModel *g, int l, int n, int pos) {
 #define FUSED_CL(KV, DD, CC) launch(g, attention_decode_fused<KV, DD, CC>, dim3(nkv, nsplit), dim3(256), 0, (const float *)g->qkvg, \
         gq, L->nh, nkv, (KV *)L->kc, (KV *)L->vc, L->rows, c->kv_dim, pos_ptr, window, nsplit, (const float *)L->q_norm, \
         (const float *)L->k_norm, (const float *)g->inv_freq[t], c->rotary_dim[t], c->rope_scaling[t], c->norm_eps, \
-        g->part_o, g->part_ml, g->counters + 1, g->att, gate_off, c->gate_per_head, scale_log2, g->attn_late)
+        g->part_o, g->part_ml, g->counters + 1, g->att, gate_off, c->gate_per_head, scale_log2)
 #define FUSED(KV, DD) do { if (CLU == 16) FUSED_CL(KV, DD, 16); else if (CLU == 8) FUSED_CL(KV, DD, 8); else FUSED_CL(KV, DD, 0); } while (0)
 #define FUSED_D(KV) switch (D) { case 16: FUSED(KV, 16); break; case 32: FUSED(KV, 32); break; case 64: FUSED(KV, 64); break; default: FUSED(KV, 128); }
         KV_SWITCH(g, FUSED_D);
