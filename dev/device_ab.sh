@@ -10,7 +10,8 @@
 # $EXTRA: more B-only bench_gpu command lines (arguments after the file, e.g. "--kv fp8 8192 131072"; several
 # separated by ';', each optionally "VAR=x VAR2=y|" first for its environment), on the bf16 file.
 # $TRACE=1: B is also built with -DLAGUNA_TRACE and traces one decode step at 512 on the bf16 file (trace.csv.gz,
-# trace_summary.txt; dev/trace_summary.py's tables).
+# trace_summary.txt; dev/trace_summary.py's tables (b) and (c) also go to ab.txt); $TRACE_ENV (VAR=value words):
+# a second trace with that environment (trace_env.csv.gz; its tables to ab.txt too).
 # $TESTS=1: then the GPU tests (make test-gpu's) on B until $DEADLINE s (default 585) after the start (a call is 600 s at most),
 # with $TEST_ENV (VAR=value words) in its environment: the tests' ./laguna runs inherit it; $TEST_K: only the tests
 # a pytest -k expression selects.
@@ -70,11 +71,18 @@ if [ -n "${EXTRA:-}" ] && [ -f /dev/shm/ab-bf16.bin ]; then
         seen=$(grep -c '^| \|rror' "$OUT/extra.log")
     done
 fi
+trace() {   # trace() NAME [VAR=value ...]: one traced step at 512, its tables (b) and (c) appended to ab.txt
+    local name=$1; shift
+    env "$@" LAGUNA_TRACE_OUT="$OUT/$name.csv" timeout 120 ./dev/bench_gpu_trace /dev/shm/ab-bf16.bin 512 \
+        > "$OUT/${name}_bench.log" 2>&1
+    echo "B bf16 traced build $*: $(grep '^| [0-9]' "$OUT/${name}_bench.log" | cut -d'|' -f2,5)" >> "$S"
+    python3 dev/trace_summary.py "$OUT/$name.csv" --brief > "$OUT/${name}_summary.txt" 2>&1
+    sed -n '/^(b)/,$p' "$OUT/${name}_summary.txt" >> "$S"
+    gzip -f "$OUT/$name.csv"
+}
 if [ -n "$TR" ] && [ -f /dev/shm/ab-bf16.bin ]; then
-    LAGUNA_TRACE_OUT="$OUT/trace.csv" timeout 120 ./dev/bench_gpu_trace /dev/shm/ab-bf16.bin 512 > "$OUT/trace_bench.log" 2>&1
-    echo "B bf16 traced build: $(grep '^| [0-9]' "$OUT/trace_bench.log" | cut -d'|' -f2,5)" >> "$S"
-    python3 dev/trace_summary.py "$OUT/trace.csv" > "$OUT/trace_summary.txt" 2>&1
-    gzip -f "$OUT/trace.csv"
+    trace trace
+    [ -n "${TRACE_ENV:-}" ] && trace trace_env $TRACE_ENV
 fi
 rm -f /dev/shm/ab-*.bin
 echo "benches done in $(( $(date +%s) - t0 )) s" >> "$S"
