@@ -4,7 +4,8 @@
     LAGUNA_TRACE_OUT=trace.csv ./dev/bench_gpu_trace FILE 512 && python3 dev/trace_summary.py trace.csv
 
 Rows of the CSV are thread blocks: gridid,block,smid,t_start,t_wait,t_end (%globaltimer ns; t_wait 0: the block left
-before griddep_wait), cyc_wait,cyc_end (clock64 cycles start -> wait, wait -> end), clk_start (clock64 at the start).
+before griddep_wait), cyc_wait,cyc_end (clock64 cycles start -> wait, wait -> end), clk_start (clock64 at the start),
+m0..m5 (TRACE_MARK(i): ns after the block's start, 0 if not reached; table (c) shows them after each block's wait).
 Grids (one per kernel launch) are ordered by their first block's start. Per grid, in us from the step's first start:
 start / last start = first and last block start, wait = earliest griddep_wait return (a grid without any: its start),
 end = last block end; gap = wait - the previous grid's end, pre = wait - start (what PDL overlapped), span = end -
