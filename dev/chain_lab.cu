@@ -13,6 +13,11 @@
  *   cluster stream in thread-block clusters of 16 (sm_90) with the merge through distributed shared memory.
  *   waves   the stream kernel's bytes in one wave: 2 blocks per SM, each looping over S steps of 32 KB (the next
  *           step's loads issued before the current one is summed), against stream's S waves of blocks.
+ *   nc      stream with laguna.cu's weight loads (ld_stream: ld.global.nc.L1::no_allocate) instead of __ldcs.
+ *   nc2     nc with at most 2 blocks an SM (a dynamic shared-memory reservation), as laguna's 124-register matvecs.
+ *   matvec  laguna.cu's bf16 decode matvec itself (matvec_warp<bf16, 8, 2>, RMSNorm folded in): 16 rows of 2048 a
+ *           block, 64 KB of fresh weights a block. nc / nc2 / matvec move the stream kernel one step at a time toward
+ *           the q/k/v/g matvec, which streams at ~2.5 TB/s in the decode graph (dev/gpu_notes.md, round 8).
  *   empty   griddep_wait / griddep_launch only.
  * Each row: N launches captured into one graph (with and without programmatic dependent launch), replayed R times;
  * us per kernel = the replay time / N. One H200, results in dev/gpu_notes.md. */
@@ -25,14 +30,14 @@ static const size_t BUF = (size_t)2 << 30;         /* the weight buffer: 2 GB, m
 static const int XN = 2048;                         /* the input vector: 8 KB of floats */
 
 /* the shared part: this block's 32 KB of weights into registers, (pre or post) the wait, the input, a reduction */
-template <bool PRE>
+template <bool PRE, bool NC = false>
 __device__ __forceinline__ float stream_body(const uint4 *w, size_t off, const float *x) {
     const int tid = threadIdx.x;
     const uint4 *wb = w + off + (size_t)blockIdx.x * 8 * 256;
     uint4 c[8];
     if (PRE) {
 #pragma unroll
-        for (int u = 0; u < 8; u++) c[u] = __ldcs(wb + u * 256 + tid);
+        for (int u = 0; u < 8; u++) c[u] = NC ? ld_stream(wb + u * 256 + tid) : __ldcs(wb + u * 256 + tid);
     }
     griddep_wait();
     griddep_launch();
@@ -51,9 +56,9 @@ __device__ __forceinline__ float stream_body(const uint4 *w, size_t off, const f
     return block_sum(acc);
 }
 
-template <bool PRE>
+template <bool PRE, bool NC = false>
 __global__ void __launch_bounds__(256) stream_kernel(const uint4 *w, size_t off, const float *x, float *y) {
-    float s = stream_body<PRE>(w, off, x);
+    float s = stream_body<PRE, NC>(w, off, x);
     if (threadIdx.x == 0) y[blockIdx.x % XN] = s * 1e-9f;
 }
 
@@ -128,11 +133,15 @@ __global__ void empty_kernel(float *y) {
     if (threadIdx.x == 0 && blockIdx.x == 0) y[0] += 1.0f;
 }
 
-enum { K_PRE, K_POST, K_LAST, K_CLUSTER, K_WAVES, K_EMPTY };
+enum { K_PRE, K_POST, K_LAST, K_CLUSTER, K_WAVES, K_NC, K_NC2, K_MATVEC, K_EMPTY };
 static const char *kname[] = {"stream, loads before the wait", "stream, loads after the wait",
                               "stream + last-block merge", "stream in clusters of 16 + DSMEM merge",
-                              "one wave (2 blocks per SM) looping", "empty"};
+                              "one wave (2 blocks per SM) looping", "stream, laguna's ld_stream loads",
+                              "the same, 2 blocks an SM at most", "laguna's matvec_warp<bf16, 8, 2>", "empty"};
 static int nsm;
+static size_t smem_half;                           /* K_NC2: dynamic shared memory that leaves room for 2 blocks */
+static float *mv_out, *mv_norm;                    /* K_MATVEC: its output rows and RMSNorm weights */
+static size_t block_bytes(int kind) { return kind == K_MATVEC ? 65536 : 32768; }
 
 static void enqueue(int kind, int G, int pdl, int i, const uint4 *w, float *xa, float *xb, float *part, int *counter,
                     cudaStream_t st) {
@@ -153,11 +162,12 @@ static void enqueue(int kind, int G, int pdl, int i, const uint4 *w, float *xa, 
     if (kind == K_WAVES) { S = (G + 2 * nsm - 1) / (2 * nsm); G = 2 * nsm; }
     cfg.gridDim = dim3(G);
     cfg.blockDim = dim3(kind == K_EMPTY ? 32 : 256);
+    cfg.dynamicSmemBytes = kind == K_NC2 ? smem_half : 0;
     cfg.stream = st;
     cfg.attrs = attr;
     cfg.numAttrs = na;
-    /* launch i reads a fresh 32 KB per block: offsets walk the 2 GB buffer */
-    size_t per = (size_t)G * S * 8 * 256, n16 = BUF / 16;
+    /* launch i reads a fresh 32 KB (matvec: 64 KB) per block: offsets walk the 2 GB buffer */
+    size_t per = (size_t)G * S * block_bytes(kind) / 16, n16 = BUF / 16;
     size_t off = ((size_t)i * per) % (n16 - per);
     const float *x = i & 1 ? xb : xa;
     float *y = i & 1 ? xa : xb;
@@ -167,6 +177,12 @@ static void enqueue(int kind, int G, int pdl, int i, const uint4 *w, float *xa, 
     case K_LAST: CUDA_CHECK(cudaLaunchKernelEx(&cfg, last_kernel, w, off, x, y, part, counter)); break;
     case K_CLUSTER: CUDA_CHECK(cudaLaunchKernelEx(&cfg, cluster_kernel, w, off, x, y)); break;
     case K_WAVES: CUDA_CHECK(cudaLaunchKernelEx(&cfg, waves_kernel, w, off, x, y, S)); break;
+    case K_NC:
+    case K_NC2: CUDA_CHECK(cudaLaunchKernelEx(&cfg, stream_kernel<true, true>, w, off, x, y)); break;
+    case K_MATVEC:
+        CUDA_CHECK(cudaLaunchKernelEx(&cfg, matvec_warp<bf16, 8, 2>, mv_out, WPtr(w + off), G * 16, XN, x,
+                                      (const float *)mv_norm, 1e-6f, (float *)NULL, (const float *)NULL, 0));
+        break;
     default: CUDA_CHECK(cudaLaunchKernelEx(&cfg, empty_kernel, y));
     }
 }
@@ -213,6 +229,11 @@ int main(void) {
     cudaStream_t st;
     CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
     CUDA_CHECK(cudaFuncSetAttribute(cluster_kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+    smem_half = p.sharedMemPerMultiprocessor / 2 - 4096;
+    CUDA_CHECK(cudaFuncSetAttribute(stream_kernel<true, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_half));
+    CUDA_CHECK(cudaMalloc(&mv_out, (size_t)4096 * 16 * sizeof(float)));
+    CUDA_CHECK(cudaMalloc(&mv_norm, XN * sizeof(float)));
+    CUDA_CHECK(cudaMemset(mv_norm, 0, XN * sizeof(float)));
 
     const int Gs[] = {1, 16, 128, 256, 512, 1024, 2048, 4096};
     const int nG = sizeof Gs / sizeof Gs[0];
@@ -230,7 +251,7 @@ int main(void) {
                 if (kind == K_WAVES && G < 2 * nsm) continue;
                 double t = time_chain(kind, G, pdl, w, xa, xb, part, counter, st);
                 int Gw = kind == K_WAVES ? (G + 2 * nsm - 1) / (2 * nsm) * 2 * nsm : G;   /* blocks' worth of bytes */
-                double m = kind == K_EMPTY ? 0.0 : Gw * 32768.0 / 1e6;
+                double m = kind == K_EMPTY ? 0.0 : Gw * (double)block_bytes(kind) / 1e6;
                 mb[n] = m;
                 us[n++] = t;
                 printf("| %s | %s | %d | %.2f | %.2f | %.0f |\n", kname[kind], pdl ? "yes" : "no", G, m, t,
@@ -249,5 +270,7 @@ int main(void) {
     CUDA_CHECK(cudaFree(xb));
     CUDA_CHECK(cudaFree(part));
     CUDA_CHECK(cudaFree(counter));
+    CUDA_CHECK(cudaFree(mv_out));
+    CUDA_CHECK(cudaFree(mv_norm));
     return 0;
 }
