@@ -19,12 +19,20 @@
  *           block, 64 KB of fresh weights a block. nc / nc2 / matvec move the stream kernel one step at a time toward
  *           the q/k/v/g matvec, which streams at ~2.5 TB/s in the decode graph (dev/gpu_notes.md, round 8).
  *   empty   griddep_wait / griddep_launch only.
+ * With --icache instead: what running code costs when the SM's instruction cache is cold. code_kernel runs U
+ * independent FMAs (8 chains, ~16 bytes of SASS each, so U = 4096 is ~64 KB of code) between two clock64 reads, one
+ * block an SM; its cycles are read (a) launched back to back (warm), (b) alternated with a second copy of itself
+ * (other code of the same size: the first copy's lines leave the instruction caches), (c) alternated with the stream
+ * kernel reading 64 MB (the code's lines leave L2 too). If (b) or (c) cost microseconds per 16-64 KB, every decode
+ * kernel pays that at its start (the fused attention is 52-67 KB of SASS; dev/gpu_notes.md, round 8).
  * Each row: N launches captured into one graph (with and without programmatic dependent launch), replayed R times;
  * us per kernel = the replay time / N. One H200, results in dev/gpu_notes.md. */
 #include "../laguna.cu"
 #include "lab_graph.h"
 
 #include <cooperative_groups.h>
+#include <vector>
+#include <string.h>
 
 static const size_t BUF = (size_t)2 << 30;         /* the weight buffer: 2 GB, many times the 50 MB L2 */
 static const int XN = 2048;                         /* the input vector: 8 KB of floats */
@@ -133,6 +141,28 @@ __global__ void empty_kernel(float *y) {
     if (threadIdx.x == 0 && blockIdx.x == 0) y[0] += 1.0f;
 }
 
+/* U FMAs in 8 independent chains between two clock reads; TAG makes a second copy with its own code */
+template <int U, int TAG>
+__global__ void __launch_bounds__(256) code_kernel(float *out, long long *cyc, int slot) {
+    griddep_wait();
+    griddep_launch();
+    long long t0 = clock64();
+    float a[8];
+#pragma unroll
+    for (int j = 0; j < 8; j++) a[j] = threadIdx.x * (j + 1) * 1e-3f + (float)(t0 & 1) + TAG;   /* after t0 */
+#pragma unroll
+    for (int i = 0; i < U / 8; i++)
+#pragma unroll
+        for (int j = 0; j < 8; j++) a[j] = fmaf(a[j], 1.0000001f, (float)(i + j + TAG));
+    asm volatile("" ::"f"(a[0]), "f"(a[1]), "f"(a[2]), "f"(a[3]), "f"(a[4]), "f"(a[5]), "f"(a[6]), "f"(a[7]));
+    long long t1 = clock64();
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 8; j++) sum += a[j];
+    if (sum == 12345.0f) out[threadIdx.x] = sum;    /* keeps the chains */
+    if (threadIdx.x == 0) cyc[(size_t)slot * gridDim.x + blockIdx.x] = t1 - t0;
+}
+
 enum { K_PRE, K_POST, K_LAST, K_CLUSTER, K_WAVES, K_NC, K_NC2, K_MATVEC, K_EMPTY };
 static const char *kname[] = {"stream, loads before the wait", "stream, loads after the wait",
                               "stream + last-block merge", "stream in clusters of 16 + DSMEM merge",
@@ -198,6 +228,40 @@ static double time_chain(int kind, int G, int pdl, const uint4 *w, float *xa, fl
     return graph_us(graph, st, N, R);
 }
 
+/* --icache: code_kernel<U, 0>'s mean cycles a block over N launches (the first left out), with nothing, another copy
+ * of the code, or a 64 MB stream between its launches */
+template <int U>
+static void icache_row(const char *what, int between, const uint4 *w, float *xa, float *xb, long long *cyc,
+                       cudaStream_t st) {
+    const int N = 40;
+    cudaGraph_t graph;
+    CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+    for (int i = 0; i < N; i++) {
+        code_kernel<U, 0><<<nsm, 256, 0, st>>>(xb, cyc, i);
+        if (between == 1) code_kernel<U, 1><<<nsm, 256, 0, st>>>(xb, cyc, N + i);
+        if (between == 2) stream_kernel<true><<<2048, 256, 0, st>>>(w, ((size_t)i * 2048 * 8 * 256) % (BUF / 16 - 2048 * 8 * 256), xa, xb);
+    }
+    CUDA_CHECK(cudaStreamEndCapture(st, &graph));
+    graph_us(graph, st, N, 1);
+    std::vector<long long> h((size_t)N * nsm);
+    CUDA_CHECK(cudaMemcpy(h.data(), cyc, h.size() * sizeof(long long), cudaMemcpyDeviceToHost));
+    double sum = 0;
+    for (int i = 1; i < N; i++)
+        for (int b = 0; b < nsm; b++) sum += (double)h[(size_t)i * nsm + b];
+    double mean = sum / ((N - 1) * (double)nsm);
+    printf("| %d | %.0f | %s | %.0f | %.2f |\n", U, U * 16 / 1024.0, what, mean, mean / U);
+}
+
+static void icache_lab(const uint4 *w, float *xa, float *xb, cudaStream_t st) {
+    long long *cyc;
+    CUDA_CHECK(cudaMalloc(&cyc, (size_t)80 * nsm * sizeof(long long)));
+    printf("| FMAs | ~KB of code | between launches | cycles a block | cycles an FMA |\n|---|---|---|---|---|\n");
+    const char *what[] = {"nothing (warm)", "another copy of the code", "a 64 MB stream"};
+    for (int b = 0; b < 3; b++) icache_row<1024>(what[b], b, w, xa, xb, cyc, st);
+    for (int b = 0; b < 3; b++) icache_row<4096>(what[b], b, w, xa, xb, cyc, st);
+    CUDA_CHECK(cudaFree(cyc));
+}
+
 /* least squares t = a + b * MB over the rows with at least min_mb */
 static void fit(const double *mb, const double *us, int n, double min_mb, double *a, double *b) {
     double s = 0, sx = 0, sy = 0, sxx = 0, sxy = 0;
@@ -209,7 +273,7 @@ static void fit(const double *mb, const double *us, int n, double min_mb, double
     *a = (sy - *b * sx) / s;
 }
 
-int main(void) {
+int main(int argc, char **argv) {
     cudaDeviceProp p;
     CUDA_CHECK(cudaGetDeviceProperties(&p, 0));
     nsm = p.multiProcessorCount;
@@ -235,6 +299,10 @@ int main(void) {
     CUDA_CHECK(cudaMalloc(&mv_norm, XN * sizeof(float)));
     CUDA_CHECK(cudaMemset(mv_norm, 0, XN * sizeof(float)));
 
+    if (argc > 1 && !strcmp(argv[1], "--icache")) {
+        icache_lab(w, xa, xb, st);
+        return 0;
+    }
     const int Gs[] = {1, 16, 128, 256, 512, 1024, 2048, 4096};
     const int nG = sizeof Gs / sizeof Gs[0];
     printf("| kernel | PDL | blocks | MB a launch | us per kernel | GB/s |\n|---|---|---|---|---|---|\n");
