@@ -552,7 +552,7 @@ __global__ void __launch_bounds__(256, NCH == 1 && ROWS < 8 ? 3 : 2) matvec_kern
  * (dev/gpu_notes.md, rounds 5 and 7). x (normed when norm_w is given: the block's sum of squares) is staged once per
  * block in shared memory: RPW > 1 spreads that L2 read over more rows. */
 template <typename W, int NCH, int RPW>
-__global__ void __launch_bounds__(256, 1) matvec_warp(float *out, WPtr w, int rows, int in, const float *x,
+__global__ void __launch_bounds__(256) matvec_warp(float *out, WPtr w, int rows, int in, const float *x,
                                                    const float *norm_w, float eps, float *xb_out, const float *bias,
                                                    int accumulate) {
     TRACE_BLOCK();
