@@ -632,6 +632,89 @@ __global__ void __launch_bounds__(256) matvec_warp(float *out, WPtr w, int rows,
     }
 }
 
+/* Decode matvec by column slices (bf16 / f32, in <= 256 * CH = 2048): each thread owns the same chunk (CH = 8
+ * columns) of all the block's R rows, so it needs only those 8 values of x: in registers, read straight from global
+ * memory after the wait (as a plain streaming kernel reads its input), and every one of its weights is loaded before
+ * the wait. When a row's cpr chunks fill whole warps and divide 256, the block's threads form SUB = 256 / cpr
+ * subgroups, each with its own R rows; otherwise one subgroup, the row's chunks on its first cpr threads. A thread's
+ * R partial sums are reduced over its warp by halving exchanges (warp_reduce_rows: 8 shuffles for R = 8 where 8
+ * warp_sums take 40), then over the subgroup's warps in shared memory.
+ * Why not matvec_warp (a warp per row, x staged in shared memory): that kernel reads 8 bytes of x from shared memory
+ * for every 2 bytes of weight, this one 32 bytes of x per 128 of weights in registers. In a chain of itself on the
+ * H200 (dev/chain_lab) it streams 4.2 TB/s against matvec_warp's 3.1 (a plain stream: 4.5); in the decode graph
+ * bf16 356 -> 386 tok/s at 512 (dev/gpu_notes.md, round 9). For q8 / q4 it was slower (408 -> 386): they keep
+ * matvec_warp. */
+template <int R> __device__ __forceinline__ float warp_reduce_rows(float (&v)[R], int lane) {
+    static_assert(R >= 1 && R <= 32 && (R & (R - 1)) == 0, "R: a power of two <= 32");
+    int n = R;
+#pragma unroll
+    for (int off = 16; off >= 1; off >>= 1) {
+        if (n > 1) {                               /* lanes with this bit keep the upper half of the rows they hold */
+            const bool up = lane & off;
+#pragma unroll
+            for (int i = 0; i < n / 2; i++) {
+                float send = up ? v[i] : v[i + n / 2], keep = up ? v[i + n / 2] : v[i];
+                v[i] = keep + __shfl_xor_sync(0xffffffffu, send, off);
+            }
+            n /= 2;
+        } else {
+            v[0] += __shfl_xor_sync(0xffffffffu, v[0], off);
+        }
+    }
+    return v[0];                                   /* the warp's sum for row lane / (32 / R) */
+}
+/* SUB for a row of cpr chunks (the host sizes the grid with the same rule) */
+__host__ __device__ __forceinline__ int col_subgroups(int cpr) {
+    return cpr <= 256 && 256 % cpr == 0 && cpr % 32 == 0 ? 256 / cpr : 1;
+}
+
+template <typename W, int R>
+__global__ void __launch_bounds__(256) matvec_cols(float *out, WPtr w, int rows, int in, const float *x,
+                                                   const float *norm_w, float eps, float *xb_out, const float *bias,
+                                                   int accumulate) {
+    TRACE_BLOCK();
+    static_assert(!is_q<W>, "q8 / q4 use matvec_warp");
+    constexpr int CH = Fmt<W>::CH;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, sub = col_subgroups((in + CH - 1) / CH);
+    const int sg = tid / (256 / sub), k = (tid % (256 / sub)) * CH;   /* this thread's subgroup and columns */
+    const int r0 = (blockIdx.x * sub + sg) * R;    /* the subgroup's first row */
+    const bool mine = k < in;
+    typename Fmt<W>::Chunk c[R];
+    float nw[CH];                                  /* the RMSNorm weights of this thread's columns */
+    if (mine) {
+#pragma unroll
+        for (int j = 0; j < R; j++) c[j] = wload<W>(wrow<W>(w, min(r0 + j, rows - 1), in), k);
+        if (norm_w) load_x8(norm_w + k, nw);
+    }
+    const int rb = blockIdx.x * sub * R + tid;     /* the row thread tid < sub * R writes: subgroup tid / R */
+    const float prev = accumulate && tid < sub * R && rb < rows ? out[rb] : 0.0f;   /* see matvec() */
+    griddep_wait();                                /* x is the previous kernel's output */
+    griddep_launch();
+    float xv[CH];
+    if (mine) load_x8(x + k, xv);
+    else for (int i = 0; i < CH; i++) xv[i] = 0.0f;
+    if (norm_w) {                                  /* each subgroup holds all of x: count the first one's squares */
+        float inv = 1.0f / sqrtf(block_sum(sg == 0 ? dot8(xv, xv) : 0.0f) / in + eps);
+        if (mine) {
+            for (int i = 0; i < CH; i++) xv[i] = nw[i] * (xv[i] * inv);
+            if (xb_out && blockIdx.x == 0 && sg == 0) store8(xb_out + k, xv);
+        }
+    }
+    float acc[R] = {};
+    if (mine) chunk_dot<W, R>(c, in - k, [&](int, float f[8]) { for (int i = 0; i < 8; i++) f[i] = xv[i]; }, acc);
+    __shared__ float red[8][R];
+    float v = warp_reduce_rows<R>(acc, lane);
+    if (lane % (32 / R) == 0) red[warp][lane / (32 / R)] = v;
+    __syncthreads();
+    if (tid < sub * R && rb < rows) {              /* the sum over the subgroup's warps */
+        const int wpg = 8 / sub, g = tid / R, j = tid % R;
+        float s = 0.0f;
+        for (int i = 0; i < wpg; i++) s += red[g * wpg + i][j];
+        if (bias) s += bias[rb];
+        out[rb] = accumulate ? prev + s : s;
+    }
+}
+
 __global__ void add_bias_kernel(float *y, const float *b, int n, int d) {
     size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
     if (i < (size_t)n * d) y[i] += b[i % d];
@@ -1750,6 +1833,71 @@ __global__ void __launch_bounds__(256) moe_gate_up_decode(WPtr experts_gu, int I
     }
 }
 
+/* The same by column slices (bf16 / f32, H <= 2048): each thread owns one chunk (8 columns) of the block's R units'
+ * gate and up rows, and so only those 8 values of xb, in registers (matvec_cols's layout). The always-on blocks come
+ * first and load before the wait; each routed block, after it, learns its expert from the plan. In the decode graph
+ * on the H200, bf16 at 512, in a build with o_proj and the down projections also by column slices: 366.4 tok/s with
+ * moe_gate_up_decode, 375.6 with this (R = 4; R = 8: 372.1) (dev/gpu_notes.md, round 9).
+ * The down projections by column slices (each thread 3 chunks of the 8 experts' and the shared expert's columns, 4
+ * rows a block) were not faster: 398.0 -> 396.6 (round 9). */
+template <typename W, int R>
+__global__ void __launch_bounds__(256) moe_gate_up_cols(WPtr experts_gu, int I, WPtr always_gu, int S, int H,
+                                                        const float *xb, const int *active, const int *n_active,
+                                                        float *h_pair, float *hs) {
+    TRACE_BLOCK();
+    static_assert(!is_q<W>, "q8 / q4 use moe_gate_up_decode");
+    constexpr int CH = Fmt<W>::CH;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nbS = (S + R - 1) / R, b = blockIdx.x;
+    const int k = tid * CH;                         /* this thread's columns */
+    typename Fmt<W>::Chunk c[2 * R];               /* [j]: the gate row of unit i0 + j; [R + j]: its up row */
+    WPtr base;
+    size_t row0 = 0;
+    int hid = 0, i0 = 0;
+    float *dst = NULL;
+    auto load = [&]() {
+        if (k < H)
+#pragma unroll
+            for (int j = 0; j < R; j++) {
+                int i = min(i0 + j, hid - 1);       /* past the end: the last unit again */
+                c[j] = wload<W>(wrow<W>(base, row0 + i, H), k);
+                c[R + j] = wload<W>(wrow<W>(base, row0 + hid + i, H), k);
+            }
+    };
+    if (b < nbS) { i0 = b * R; base = always_gu; hid = S; dst = hs; load(); }
+    griddep_wait();                                 /* the router's plan and xb */
+    griddep_launch();
+    if (b >= nbS) {                                 /* block-uniform: the whole block leaves or stays */
+        const int nbI = (I + R - 1) / R, a = (b - nbS) / nbI;
+        if (a >= *n_active) return;
+        i0 = ((b - nbS) % nbI) * R;
+        base = experts_gu;
+        row0 = (size_t)active[a] * 2 * I;
+        hid = I;
+        dst = h_pair + (size_t)a * I;
+        TRACE_MARK(0);
+        load();
+    }
+    float acc[2 * R] = {};
+    if (k < H) {
+        float xv[CH];
+#pragma unroll
+        for (int bb = 0; bb < CH / 8; bb++) load_x8(xb + k + 8 * bb, &xv[8 * bb]);
+        chunk_dot<W, 2 * R>(c, H - k, [&](int bb, float f[8]) {
+#pragma unroll
+            for (int i = 0; i < 8; i++) f[i] = xv[8 * bb + i];
+        }, acc);
+    }
+    __shared__ float red[8][2 * R];
+    float v = warp_reduce_rows<2 * R>(acc, lane);
+    if (lane % (16 / R) == 0) red[warp][lane / (16 / R)] = v;
+    __syncthreads();
+    if (tid < R && i0 + tid < hid) {
+        float gs = 0.0f, us = 0.0f;
+        for (int w = 0; w < 8; w++) { gs += red[w][tid]; us += red[w][R + tid]; }
+        dst[i0 + tid] = silu(gs) * us;
+    }
+}
+
 /* Decode (one token): all down projections of a layer in one launch with the weighted sum and the residual:
  * x[j] += always_down[j] . hs + scaling * sum_a w_a * down_{e_a}[j] . h_a, experts in ascending id (the CPU's
  * order). One warp per output row; the first 8 experts' and the always-on row's first 512 columns (all of them at
@@ -2847,13 +2995,23 @@ static void matvec(GpuModel *g, float *out, const void *w, int rows, int in, con
     const WPtr m = wmat(Fmt<W>::DT, w, rows, in);
 #define MV(R, N) launch(g, matvec_kernel<W, R, N>, dim3((rows + R - 1) / R), dim3(256), 0, out, m, rows, in, \
                         x, norm_w, g->c.norm_eps, xb_out, bias, accumulate)
-    /* in <= 2048: a warp per RG rows (Fmt), 2 steps per warp (x staged once per 16 * RG rows), 4 for lm_head-sized
-     * matrices. Measured on the H200 in the decode graph (dev/gpu_notes.md, rounds 2 and 5, bf16): 317 tok/s with 2
-     * steps per warp, 311 with 4, 292 with 1, 309 with the block-rows kernel below, which wins for the 8192-wide
-     * o_proj; for a quantized lm_head (rows >= 32768) 4 steps were +0.6% (q4) and +0.9% (q8) over 2 (round 5) */
+    /* bf16 / f32 with in <= 2048 (q/k/v/g, lm_head): column slices, 8 rows a subgroup (matvec_cols). q8 / q4 with
+     * in <= 2048: a warp per RG rows (Fmt), 2 steps per warp (x staged once per 16 * RG rows), 4 for lm_head-sized
+     * matrices. Wider inputs (o_proj): the block-rows kernel. Measured on the H200 in the decode graph (dev/gpu_notes.md,
+     * rounds 2, 5 and 9): bf16 matvec_warp 317 tok/s with 2 steps per warp, 311 with 4, 292 with 1, 309 with the
+     * block-rows kernel, which wins for the 8192-wide o_proj (column slices there, 4 chunks a thread: 395 -> 376); for a
+     * quantized lm_head (rows >= 32768) 4 steps were +0.6% (q4) and +0.9% (q8) over 2 */
 #define MVW(R) launch(g, matvec_warp<W, 64 / CH, R>, dim3((rows + 8 * R * RG - 1) / (8 * R * RG)), dim3(256), 0, out, m, \
                       rows, in, x, norm_w, g->c.norm_eps, xb_out, bias, accumulate)
     int nch = (in + 256 * CH - 1) / (256 * CH);    /* chunks per thread and row in the block-rows kernel */
+    if constexpr (!is_q<W>) {                       /* bf16 / f32, in <= 2048: column slices, 8 rows a subgroup */
+        if (in <= 256 * CH) {
+            const int rb = 8 * col_subgroups((in + CH - 1) / CH);   /* rows a block */
+            launch(g, matvec_cols<W, 8>, dim3((rows + rb - 1) / rb), dim3(256), 0, out, m, rows, in, x, norm_w,
+                   g->c.norm_eps, xb_out, bias, accumulate);
+            return;
+        }
+    }
     if (in <= 2048 && rows >= 32768 && is_q<W>) MVW(4);
     else if (in <= 2048) MVW(2);
 #undef MVW
@@ -2960,9 +3118,15 @@ static void mlp_decode(GpuModel *g, int l) {
     int H = c->dim, I = c->moe_hidden_dim, K = c->n_experts_active, E = c->n_experts, DT = Fmt<W>::DT, RG = Fmt<W>::RG;
     const WPtr gate_up = wmat(DT, L->gate_up, 2 * (size_t)L->hid, H), down = wmat(DT, L->down, H, L->hid);
     const WPtr egu = wmat(DT, L->experts_gate_up, (size_t)E * 2 * I, H), edn = wmat(DT, L->experts_down, (size_t)E * H, I);
-    /* gate/up: the one-token kernel (H <= 2048) or the general one; the always-on matrix's blocks first */
+    /* gate/up: bf16 / f32 by column slices (H <= 2048), q8 / q4 the warp-per-unit kernel (H <= 2048), or the general
+     * one; the always-on matrix's blocks first */
+    const bool gu_cols = !is_q<W> && H <= 2048 && !g->moe_general;
 #define GATE_UP(EGU, NI, KA) do { \
-        if (H <= 2048 && !g->moe_general) launch(g, moe_gate_up_decode<W, 64 / Fmt<W>::CH>, \
+        if (gu_cols) { \
+            if constexpr (!is_q<W>) launch(g, moe_gate_up_cols<W, 4>, dim3((L->hid + 3) / 4 + (KA) * ((I + 3) / 4)), \
+                                           dim3(256), 0, EGU, I, gate_up, L->hid, H, (const float *)g->xb, \
+                                           (const int *)g->active, (const int *)(NI), g->h_pair, (KA) ? g->hs : g->mlp_act); \
+        } else if (H <= 2048 && !g->moe_general) launch(g, moe_gate_up_decode<W, 64 / Fmt<W>::CH>, \
                               dim3((L->hid + 8 * RG - 1) / (8 * RG) + (KA) * ((I + 8 * RG - 1) / (8 * RG))), dim3(256), 0, \
                               EGU, I, gate_up, L->hid, H, (const float *)g->xb, \
                               (const int *)g->active, (const int *)(NI), g->h_pair, (KA) ? g->hs : g->mlp_act); \

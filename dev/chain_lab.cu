@@ -18,6 +18,10 @@
  *   matvec  laguna.cu's bf16 decode matvec itself (matvec_warp<bf16, 8, 2>, RMSNorm folded in): 16 rows of 2048 a
  *           block, 64 KB of fresh weights a block. nc / nc2 / matvec move the stream kernel one step at a time toward
  *           the q/k/v/g matvec, which streams at ~2.5 TB/s in the decode graph (dev/gpu_notes.md, round 8).
+ *   mv1     matvec_warp<bf16, 8, 1>: one row step a warp, 32 KB a block, all of it loaded before the wait.
+ *   mvnn    matvec without its RMSNorm (no block reduction of x's squares before the rows).
+ *   mvc16 / mvc8  laguna.cu's matvec_cols<bf16, R> (a thread owns 8 columns of R rows; x in registers).
+ * Before the rows, --check compares matvec_cols with matvec_warp on random data (q/k/v/g's 8240 x 2048, normed).
  *   empty   griddep_wait / griddep_launch only.
  * With --icache instead: what running code costs when the SM's instruction cache is cold. code_kernel runs U
  * independent FMAs (8 chains, ~16 bytes of SASS each, so U = 4096 is ~64 KB of code) between two clock64 reads, one
@@ -163,15 +167,18 @@ __global__ void __launch_bounds__(256) code_kernel(float *out, long long *cyc, i
     if (threadIdx.x == 0) cyc[(size_t)slot * gridDim.x + blockIdx.x] = t1 - t0;
 }
 
-enum { K_PRE, K_POST, K_LAST, K_CLUSTER, K_WAVES, K_NC, K_NC2, K_MATVEC, K_EMPTY };
+enum { K_PRE, K_POST, K_LAST, K_CLUSTER, K_WAVES, K_NC, K_NC2, K_MATVEC, K_MV1, K_MVNN, K_MVC16, K_MVC8, K_EMPTY };
 static const char *kname[] = {"stream, loads before the wait", "stream, loads after the wait",
                               "stream + last-block merge", "stream in clusters of 16 + DSMEM merge",
                               "one wave (2 blocks per SM) looping", "stream, laguna's ld_stream loads",
-                              "the same, 2 blocks an SM at most", "laguna's matvec_warp<bf16, 8, 2>", "empty"};
+                              "the same, 2 blocks an SM at most", "laguna's matvec_warp<bf16, 8, 2>",
+                              "matvec_warp<bf16, 8, 1> (one step, 32 KB a block)", "matvec_warp<bf16, 8, 2>, no RMSNorm",
+                              "matvec_cols<bf16, 16> (64 KB a block)", "matvec_cols<bf16, 8> (32 KB a block)",
+                              "empty"};
 static int nsm;
 static size_t smem_half;                           /* K_NC2: dynamic shared memory that leaves room for 2 blocks */
 static float *mv_out, *mv_norm;                    /* K_MATVEC: its output rows and RMSNorm weights */
-static size_t block_bytes(int kind) { return kind == K_MATVEC ? 65536 : 32768; }
+static size_t block_bytes(int kind) { return kind == K_MATVEC || kind == K_MVNN || kind == K_MVC16 ? 65536 : 32768; }
 
 static void enqueue(int kind, int G, int pdl, int i, const uint4 *w, float *xa, float *xb, float *part, int *counter,
                     cudaStream_t st) {
@@ -212,6 +219,22 @@ static void enqueue(int kind, int G, int pdl, int i, const uint4 *w, float *xa, 
     case K_MATVEC:
         CUDA_CHECK(cudaLaunchKernelEx(&cfg, matvec_warp<bf16, 8, 2>, mv_out, WPtr(w + off), G * 16, XN, x,
                                       (const float *)mv_norm, 1e-6f, (float *)NULL, (const float *)NULL, 0));
+        break;
+    case K_MV1:
+        CUDA_CHECK(cudaLaunchKernelEx(&cfg, matvec_warp<bf16, 8, 1>, mv_out, WPtr(w + off), G * 8, XN, x,
+                                      (const float *)mv_norm, 1e-6f, (float *)NULL, (const float *)NULL, 0));
+        break;
+    case K_MVC16:
+        CUDA_CHECK(cudaLaunchKernelEx(&cfg, matvec_cols<bf16, 16>, mv_out, WPtr(w + off), G * 16, XN, x,
+                                      (const float *)mv_norm, 1e-6f, (float *)NULL, (const float *)NULL, 0));
+        break;
+    case K_MVC8:
+        CUDA_CHECK(cudaLaunchKernelEx(&cfg, matvec_cols<bf16, 8>, mv_out, WPtr(w + off), G * 8, XN, x,
+                                      (const float *)mv_norm, 1e-6f, (float *)NULL, (const float *)NULL, 0));
+        break;
+    case K_MVNN:
+        CUDA_CHECK(cudaLaunchKernelEx(&cfg, matvec_warp<bf16, 8, 2>, mv_out, WPtr(w + off), G * 16, XN, x,
+                                      (const float *)NULL, 1e-6f, (float *)NULL, (const float *)NULL, 0));
         break;
     default: CUDA_CHECK(cudaLaunchKernelEx(&cfg, empty_kernel, y));
     }
@@ -273,6 +296,34 @@ static void fit(const double *mb, const double *us, int n, double min_mb, double
     *a = (sy - *b * sx) / s;
 }
 
+/* matvec_cols<bf16, R> against matvec_warp<bf16, 8, 2> on random weights, x and norm weights */
+static void check_cols(uint4 *w, float *xa, cudaStream_t st) {
+    const int rows = 8240;
+    fill_random<bf16><<<1024, 256, 0, st>>>((bf16 *)w, (size_t)rows * XN, 7, 1, 0, 0.05f);
+    fill_random<float><<<8, 256, 0, st>>>(xa, XN, 7, 2, 0, 1.0f);
+    fill_random<float><<<8, 256, 0, st>>>(mv_norm, XN, 7, 3, 0, 1.0f);
+    float *o[3];
+    for (int i = 0; i < 3; i++) CUDA_CHECK(cudaMalloc(&o[i], rows * sizeof(float)));
+    matvec_warp<bf16, 8, 2><<<(rows + 15) / 16, 256, 0, st>>>(o[0], WPtr(w), rows, XN, xa, mv_norm, 1e-6f, NULL, NULL, 0);
+    matvec_cols<bf16, 16><<<(rows + 15) / 16, 256, 0, st>>>(o[1], WPtr(w), rows, XN, xa, mv_norm, 1e-6f, NULL, NULL, 0);
+    matvec_cols<bf16, 8><<<(rows + 7) / 8, 256, 0, st>>>(o[2], WPtr(w), rows, XN, xa, mv_norm, 1e-6f, NULL, NULL, 0);
+    CUDA_CHECK(cudaStreamSynchronize(st));
+    std::vector<float> h[3];
+    for (int i = 0; i < 3; i++) {
+        h[i].resize(rows);
+        CUDA_CHECK(cudaMemcpy(h[i].data(), o[i], rows * sizeof(float), cudaMemcpyDeviceToHost));
+        CUDA_CHECK(cudaFree(o[i]));
+    }
+    double d16 = 0, d8 = 0, mx = 0;
+    for (int r = 0; r < rows; r++) {
+        d16 = fmax(d16, fabs(h[1][r] - h[0][r]));
+        d8 = fmax(d8, fabs(h[2][r] - h[0][r]));
+        mx = fmax(mx, fabs(h[0][r]));
+    }
+    printf("check: matvec_cols vs matvec_warp over %d rows (max |y| %.3f): R=16 max diff %.3g, R=8 %.3g\n\n", rows,
+           mx, d16, d8);
+}
+
 int main(int argc, char **argv) {
     cudaDeviceProp p;
     CUDA_CHECK(cudaGetDeviceProperties(&p, 0));
@@ -299,6 +350,12 @@ int main(int argc, char **argv) {
     CUDA_CHECK(cudaMalloc(&mv_norm, XN * sizeof(float)));
     CUDA_CHECK(cudaMemset(mv_norm, 0, XN * sizeof(float)));
 
+    if (argc > 1 && !strcmp(argv[1], "--check")) {
+        check_cols(w, xa, st);
+        CUDA_CHECK(cudaMemset(w, 1, BUF));
+        CUDA_CHECK(cudaMemset(xa, 0, XN * sizeof(float)));
+        argc = 1;
+    }
     if (argc > 1 && !strcmp(argv[1], "--icache")) {
         icache_lab(w, xa, xb, st);
         return 0;
@@ -306,8 +363,12 @@ int main(int argc, char **argv) {
     const int Gs[] = {1, 16, 128, 256, 512, 1024, 2048, 4096};
     const int nG = sizeof Gs / sizeof Gs[0];
     printf("| kernel | PDL | blocks | MB a launch | us per kernel | GB/s |\n|---|---|---|---|---|---|\n");
+    const char *only = getenv("CHAIN_KINDS");      /* e.g. CHAIN_KINDS=,7,11,12, : only those rows (enum order) */
     for (int kind = K_PRE; kind <= K_EMPTY; kind++)
         for (int pdl = 1; pdl >= 0; pdl--) {
+            char tag[16];
+            snprintf(tag, sizeof tag, ",%d,", kind);
+            if (only && !strstr(only, tag)) continue;
             if (kind != K_PRE && !pdl) continue;       /* without PDL: the stream kernel only */
             double mb[16], us[16];
             int n = 0;

