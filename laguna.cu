@@ -643,7 +643,12 @@ __global__ void __launch_bounds__(256) matvec_warp(float *out, WPtr w, int rows,
  * for every 2 bytes of weight, this one 32 bytes of x per 128 of weights in registers. In a chain of itself on the
  * H200 (dev/chain_lab) it streams 4.2 TB/s against matvec_warp's 3.1 (a plain stream: 4.5); in the decode graph
  * bf16 356 -> 386 tok/s at 512 (dev/gpu_notes.md, round 9). For q8 / q4 it was slower (408 -> 386): they keep
- * matvec_warp. */
+ * matvec_warp.
+ * The layout is matvec_rows's (the block-rows kernel, o_proj's) at ROWS = 8, NCH = 1; this kernel adds the
+ * subgroups and the halving reduction and compiles to 64 registers (4 blocks an SM) where matvec_kernel<bf16, 8, 1>
+ * takes 96 (2). Round 2 measured the block-rows kernel of then on q/k/v/g at 309 tok/s against matvec_warp's 317;
+ * which of the differences makes this one faster is not measured. Folding the two into one kernel (and measuring
+ * o_proj with it) is the next session's first cleanup (dev/gpu_notes.md). */
 template <int R> __device__ __forceinline__ float warp_reduce_rows(float (&v)[R], int lane) {
     static_assert(R >= 1 && R <= 32 && (R & (R - 1)) == 0, "R: a power of two <= 32");
     int n = R;
