@@ -1903,6 +1903,70 @@ __global__ void __launch_bounds__(256) moe_gate_up_cols(WPtr experts_gu, int I, 
     }
 }
 
+/* EXPERIMENT (LAGUNA_DOWN_COLS=1; branch next, not measured): the down projections by column slices (bf16 / f32;
+ * I and S multiples of 8). A row's columns are the active experts' I columns in plan order, then the always-on
+ * matrix's S; each thread owns NC chunks of them for the block's R rows. Before the wait: the weights (two or more
+ * kernels old, see moe_down_decode) and the residual; after it, all NC chunks' h values and routing weights in one
+ * go (round 9's variant read them chunk by chunk: likely dependent L2 round trips), then the dots. Routed and
+ * always-on sums are kept apart and combined as the CPU does: x[j] += sh + scaling * routed. */
+template <typename W, int R, int NC>
+__global__ void __launch_bounds__(256) moe_down_cols(float *x, WPtr experts_down, int I, WPtr always_down, int S,
+                                                     int H, const int *active, const int *n_active,
+                                                     const float *pair_w, const float *h_pair, const float *hs,
+                                                     float scaling) {
+    TRACE_BLOCK();
+    static_assert(!is_q<W>, "q8 / q4 use moe_down_decode");
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, r0 = blockIdx.x * R;
+    const int na = n_active ? *n_active : 0, cI = I / 8, nq = na * cI + S / 8;
+    typename Fmt<W>::Chunk c[NC][R];
+    int seg[NC], kk[NC];                            /* chunk u: its expert slot (na: the always-on matrix), column */
+#pragma unroll
+    for (int u = 0; u < NC; u++) {
+        const int q = tid + 256 * u;
+        seg[u] = q < na * cI ? q / cI : na;
+        kk[u] = q < na * cI ? (q % cI) * 8 : (q - na * cI) * 8;
+        if (q >= nq) continue;
+#pragma unroll
+        for (int j = 0; j < R; j++) {
+            const int r = min(r0 + j, H - 1);
+            c[u][j] = seg[u] < na ? wload<W>(wrow<W>(experts_down, (size_t)active[seg[u]] * H + r, I), kk[u])
+                                  : wload<W>(wrow<W>(always_down, r, S), kk[u]);
+        }
+    }
+    const float xj = tid < R && r0 + tid < H ? x[r0 + tid] : 0.0f;   /* the residual */
+    griddep_wait();                                 /* h_pair and hs */
+    griddep_launch();
+    float h[NC][8], wa[NC];
+#pragma unroll
+    for (int u = 0; u < NC; u++) {                  /* every h value first: the loads go out together */
+        const bool live = tid + 256 * u < nq, routed = seg[u] < na;
+        if (live) load_x8(routed ? h_pair + (size_t)seg[u] * I + kk[u] : hs + kk[u], h[u]);
+        else for (int i = 0; i < 8; i++) h[u][i] = 0.0f;
+        wa[u] = live && routed ? pair_w[seg[u]] : 0.0f;
+    }
+    float acc[2 * R] = {};                          /* [j]: routed (weighted), [R + j]: always-on */
+#pragma unroll
+    for (int u = 0; u < NC; u++) {
+        if (tid + 256 * u >= nq) continue;
+        float part[R] = {};
+        chunk_dot<W, R>(c[u], 8, [&](int, float f[8]) { for (int i = 0; i < 8; i++) f[i] = h[u][i]; }, part);
+#pragma unroll
+        for (int j = 0; j < R; j++) {
+            if (seg[u] < na) acc[j] += wa[u] * part[j];
+            else acc[R + j] += part[j];
+        }
+    }
+    __shared__ float red[8][2 * R];
+    float v = warp_reduce_rows<2 * R>(acc, lane);
+    if (lane % (16 / R) == 0) red[warp][lane / (16 / R)] = v;
+    __syncthreads();
+    if (tid < R && r0 + tid < H) {
+        float routed = 0.0f, sh = 0.0f;
+        for (int w = 0; w < 8; w++) { routed += red[w][tid]; sh += red[w][R + tid]; }
+        x[r0 + tid] = xj + (sh + routed * scaling);
+    }
+}
+
 /* Decode (one token): all down projections of a layer in one launch with the weighted sum and the residual:
  * x[j] += always_down[j] . hs + scaling * sum_a w_a * down_{e_a}[j] . h_a, experts in ascending id (the CPU's
  * order). One warp per output row; the first 8 experts' and the always-on row's first 512 columns (all of them at
@@ -2407,6 +2471,7 @@ struct GpuModel {
     int pdl;                 /* programmatic dependent launch for the decode kernels (LAGUNA_NO_PDL=1: off) */
     int pdl_now;             /* set while enqueueing a one-token forward */
     int dup, nlaunch;        /* LAGUNA_DUP=k: the k-th decode launch of every layer enqueued twice (a timing hook) */
+    int down_cols;           /* LAGUNA_DOWN_COLS=R (2 or 4): an experiment, moe_down_cols */
     int moe_general;         /* LAGUNA_MOE_GENERAL=1: decode's gate/up by the general kernel (what H > 2048 takes) */
     int attn_cluster;        /* one-token attention of sliding layers as clusters of this many splits (0: global merge) */
     int cluster_y;           /* set while launching a clustered kernel (launch()) */
@@ -2714,6 +2779,7 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
     g->pdl = !getenv("LAGUNA_NO_PDL");
     g->dup = getenv("LAGUNA_DUP") ? atoi(getenv("LAGUNA_DUP")) : -1;
     g->moe_general = getenv("LAGUNA_MOE_GENERAL") != NULL;     /* so the tests reach that path at small shapes */
+    g->down_cols = getenv("LAGUNA_DOWN_COLS") ? atoi(getenv("LAGUNA_DOWN_COLS")) : 0;
     int D = c->head_dim, H = c->dim, KVD = c->kv_dim, T = max_tokens, E = c->n_experts, K = c->n_experts_active;
     /* formats: the matmul weights all quantized alike (q8 or q4) or none of them; the embedding (and with it a tied
      * lm_head) and lm_head may be quantized on their own (export.py: the embedding is q8 in q4 files too); the
@@ -3161,6 +3227,18 @@ static void mlp_decode(GpuModel *g, int l) {
 #undef ROUTE
     GATE_UP(egu, g->n_active, K);
 #undef GATE_UP
+    if constexpr (!is_q<W>)
+        if (g->down_cols && (K * I + L->hid) / 8 <= 3 * 256 && I % 8 == 0) {    /* the experiment */
+            if (g->down_cols == 2)
+                launch(g, moe_down_cols<W, 2, 3>, dim3((H + 1) / 2), dim3(256), 0, g->x, edn, I, down, L->hid, H,
+                       (const int *)g->active, (const int *)g->n_active, (const float *)g->pair_w,
+                       (const float *)g->h_pair, (const float *)g->hs, c->routed_scaling);
+            else
+                launch(g, moe_down_cols<W, 4, 3>, dim3((H + 3) / 4), dim3(256), 0, g->x, edn, I, down, L->hid, H,
+                       (const int *)g->active, (const int *)g->n_active, (const float *)g->pair_w,
+                       (const float *)g->h_pair, (const float *)g->hs, c->routed_scaling);
+            return;
+        }
     launch(g, moe_down_decode<W>, dim3((H + 7) / 8), dim3(256), 0, g->x, edn, I, down, L->hid, H,
            (const int *)g->active, (const int *)g->n_active, (const float *)g->pair_w, (const float *)g->h_pair,
            (const float *)g->hs, c->routed_scaling);
