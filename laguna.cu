@@ -673,32 +673,57 @@ __host__ __device__ __forceinline__ int col_subgroups(int cpr) {
     return cpr <= 256 && 256 % cpr == 0 && cpr % 32 == 0 ? 256 / cpr : 1;
 }
 
-template <typename W, int R>
+/* Rows wider than one block's 256 chunks (o_proj: 8192 inputs) are split over a thread-block cluster along y
+ * (SPLIT): block s of the cluster owns columns [s * 256 * CH, (s + 1) * 256 * CH) of the same R rows, and the blocks'
+ * partial sums meet in block 0's shared memory (distributed shared memory, one cluster barrier on the way): block 0
+ * adds them in slice order. So x is read 2 KB per 8 KB of weights as on narrow rows, where the block-rows kernel
+ * (matvec_kernel<bf16, 2, 4>) reads 32 KB of x per 32 KB of weights. No RMSNorm on split rows (o_proj has none). */
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cluster_arrive_release() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cluster_wait_acquire() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+#else
+    __trap();                                      /* clusters need sm_90: the host never splits rows then */
+#endif
+}
+
+template <typename W, int R, bool SPLIT>
 __global__ void __launch_bounds__(256) matvec_cols(float *out, WPtr w, int rows, int in, const float *x,
                                                    const float *norm_w, float eps, float *xb_out, const float *bias,
                                                    int accumulate) {
     TRACE_BLOCK();
     static_assert(!is_q<W>, "q8 / q4 use matvec_warp");
     constexpr int CH = Fmt<W>::CH;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, sub = col_subgroups((in + CH - 1) / CH);
-    const int sg = tid / (256 / sub), k = (tid % (256 / sub)) * CH;   /* this thread's subgroup and columns */
+    if constexpr (SPLIT) cluster_arrive_relaxed();  /* phase 0: this block has started (its shared memory exists) */
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int sub = SPLIT ? 1 : col_subgroups((in + CH - 1) / CH);
+    const int sg = tid / (256 / sub), k = (SPLIT ? blockIdx.y * 256 * CH : 0) + (tid % (256 / sub)) * CH;
     const int r0 = (blockIdx.x * sub + sg) * R;    /* the subgroup's first row */
-    const bool mine = k < in;
+    const bool mine = k < in, writer = !SPLIT || blockIdx.y == 0;
     typename Fmt<W>::Chunk c[R];
     float nw[CH];                                  /* the RMSNorm weights of this thread's columns */
     if (mine) {
 #pragma unroll
         for (int j = 0; j < R; j++) c[j] = wload<W>(wrow<W>(w, min(r0 + j, rows - 1), in), k);
-        if (norm_w) load_x8(norm_w + k, nw);
+        if (!SPLIT && norm_w) load_x8(norm_w + k, nw);
     }
     const int rb = blockIdx.x * sub * R + tid;     /* the row thread tid < sub * R writes: subgroup tid / R */
-    const float prev = accumulate && tid < sub * R && rb < rows ? out[rb] : 0.0f;   /* see matvec() */
+    const float prev = (!SPLIT || writer) && accumulate && tid < sub * R && rb < rows ? out[rb] : 0.0f;   /* see matvec() */
     griddep_wait();                                /* x is the previous kernel's output */
     griddep_launch();
     float xv[CH];
     if (mine) load_x8(x + k, xv);
     else for (int i = 0; i < CH; i++) xv[i] = 0.0f;
-    if (norm_w) {                                  /* each subgroup holds all of x: count the first one's squares */
+    if (!SPLIT && norm_w) {                        /* each subgroup holds all of x: count the first one's squares */
         float inv = 1.0f / sqrtf(block_sum(sg == 0 ? dot8(xv, xv) : 0.0f) / in + eps);
         if (mine) {
             for (int i = 0; i < CH; i++) xv[i] = nw[i] * (xv[i] * inv);
@@ -711,12 +736,30 @@ __global__ void __launch_bounds__(256) matvec_cols(float *out, WPtr w, int rows,
     float v = warp_reduce_rows<R>(acc, lane);
     if (lane % (32 / R) == 0) red[warp][lane / (32 / R)] = v;
     __syncthreads();
-    if (tid < sub * R && rb < rows) {              /* the sum over the subgroup's warps */
-        const int wpg = 8 / sub, g = tid / R, j = tid % R;
+    if constexpr (!SPLIT) {
+        if (tid < sub * R && rb < rows) {          /* the sum over the subgroup's warps */
+            const int wpg = 8 / sub, g = tid / R, j = tid % R;
+            float s = 0.0f;
+            for (int i = 0; i < wpg; i++) s += red[g * wpg + i][j];
+            if (bias) s += bias[rb];
+            out[rb] = accumulate ? prev + s : s;
+        }
+    } else {                                       /* the slices' partial sums into block 0, in slice order */
+        __shared__ float part[8][R];
+        namespace cg = cooperative_groups;
         float s = 0.0f;
-        for (int i = 0; i < wpg; i++) s += red[g * wpg + i][j];
-        if (bias) s += bias[rb];
-        out[rb] = accumulate ? prev + s : s;
+        if (tid < R) for (int i = 0; i < 8; i++) s += red[i][tid];
+        cluster_wait_acquire();                    /* phase 0 done: every block of the cluster is running */
+        if (tid < R) cg::this_cluster().map_shared_rank(&part[0][0], 0)[blockIdx.y * R + tid] = s;
+        cluster_arrive_release();                  /* phase 1: the partial sums are written */
+        if (!writer) return;
+        cluster_wait_acquire();
+        if (tid < R && rb < rows) {
+            s = 0.0f;
+            for (int i = 0; i < (int)gridDim.y; i++) s += part[i][tid];
+            if (bias) s += bias[rb];
+            out[rb] = accumulate ? prev + s : s;
+        }
     }
 }
 
@@ -1766,6 +1809,132 @@ __global__ void __launch_bounds__(256) moe_down(WPtr experts_down, int I, WPtr a
     }
 }
 
+/* The same two steps by column slices (bf16 / f32; H, I and S multiples of 8 and at most 2048), which the 16-token
+ * verification takes: a block owns R units (or rows) of one matrix, each thread the same 8 columns of all of them,
+ * so the block's 32 KB of weights are loaded once, into registers, and the matrix's tokens pass over them TT at a
+ * time: per token a thread reads its 8 values of x (not, as in the warp-per-row kernels above, every row's x
+ * again). The R x TT sums go over the warp by halving exchanges (warp_reduce_rows), then over the warps. */
+template <typename W, int R, int TT>
+__global__ void __launch_bounds__(256) moe_gate_up_cols_n(WPtr experts_gu, int I, WPtr always_gu, int S, int H,
+                                                          const float *xb, int n, const int *start,
+                                                          const int *pair_tok, const int *active,
+                                                          const int *n_active, int max_active, float *h_pair,
+                                                          float *hs) {
+    static_assert(!is_q<W> && 2 * R * TT <= 32, "bf16 / f32; 2 R TT sums a warp");
+    constexpr int RT = 2 * R * TT;                  /* sums a thread keeps: [tt][gate j | up j] */
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, k = tid * 8, nbI = (I + R - 1) / R;
+    const int b = blockIdx.x;
+    WPtr base;
+    size_t row0 = 0;
+    int hid, i0, cnt;
+    const int *toks = NULL;                          /* the expert's tokens (NULL: all n, the always-on matrix) */
+    float *out;
+    if (b < max_active * nbI) {
+        const int a = b / nbI;
+        if (a >= *n_active) return;
+        const int e = active[a], first = start[e];
+        i0 = (b % nbI) * R; hid = I; base = experts_gu; row0 = (size_t)e * 2 * I;
+        cnt = start[e + 1] - first; toks = pair_tok + first; out = h_pair + (size_t)first * I;
+    } else {
+        i0 = (b - max_active * nbI) * R; hid = S; base = always_gu; cnt = n; out = hs;
+    }
+    if (i0 >= hid) return;                          /* block-uniform */
+    const bool mine = k < H;
+    typename Fmt<W>::Chunk c[2 * R];               /* [j]: the gate row of unit i0 + j; [R + j]: its up row */
+    if (mine)
+#pragma unroll
+        for (int j = 0; j < R; j++) {
+            const int i = min(i0 + j, hid - 1);
+            c[j] = wload<W>(wrow<W>(base, row0 + i, H), k);
+            c[R + j] = wload<W>(wrow<W>(base, row0 + hid + i, H), k);
+        }
+    __shared__ float red[8][RT];
+    for (int t0 = 0; t0 < cnt; t0 += TT) {
+        float acc[RT] = {};
+        if (mine)
+#pragma unroll
+            for (int tt = 0; tt < TT; tt++)
+                if (t0 + tt < cnt) {
+                    float xv[8];
+                    load_x8(xb + (size_t)(toks ? toks[t0 + tt] : t0 + tt) * H + k, xv);
+                    chunk_dot<W, 2 * R>(c, 8, [&](int, float f[8]) { for (int i = 0; i < 8; i++) f[i] = xv[i]; },
+                                        &acc[tt * 2 * R]);
+                }
+        const float v = warp_reduce_rows<RT>(acc, lane);
+        if (lane % (32 / RT) == 0) red[warp][lane / (32 / RT)] = v;
+        __syncthreads();
+        if (tid < R * TT) {
+            const int tt = tid / R, j = tid % R;
+            if (t0 + tt < cnt && i0 + j < hid) {
+                float gs = 0.0f, us = 0.0f;
+                for (int w = 0; w < 8; w++) { gs += red[w][tt * 2 * R + j]; us += red[w][tt * 2 * R + R + j]; }
+                out[(size_t)(t0 + tt) * hid + i0 + j] = silu(gs) * us;
+            }
+        }
+        __syncthreads();
+    }
+}
+
+/* down: a block owns R rows of one expert's down matrix for each of its column subgroups (a row of I = 512 is 64
+ * chunks: 4 subgroups of 64 threads, 32 rows a block) */
+template <typename W, int R, int TT>
+__global__ void __launch_bounds__(256) moe_down_cols_n(WPtr experts_down, int I, WPtr always_down, int S, int H,
+                                                       int n, const int *start, const int *active,
+                                                       const int *n_active, int max_active, const float *h_pair,
+                                                       const float *hs, float *y_pair, float *ys) {
+    static_assert(!is_q<W> && R * TT <= 32, "bf16 / f32; R TT sums a warp");
+    constexpr int RT = R * TT;                      /* [tt][row j] */
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, b = blockIdx.x;
+    const int subI = col_subgroups(I / 8), nbI = (H + subI * R - 1) / (subI * R);
+    WPtr base;
+    size_t row0 = 0;
+    int hid, sub, j0, cnt;
+    const float *hin;
+    float *out;
+    if (b < max_active * nbI) {
+        const int a = b / nbI;
+        if (a >= *n_active) return;
+        const int e = active[a], first = start[e];
+        hid = I; sub = subI; j0 = (b % nbI) * subI * R; base = experts_down; row0 = (size_t)e * H;
+        cnt = start[e + 1] - first; hin = h_pair + (size_t)first * I; out = y_pair + (size_t)first * H;
+    } else {
+        hid = S; sub = S ? col_subgroups(S / 8) : 1; j0 = (b - max_active * nbI) * sub * R; base = always_down;
+        cnt = n; hin = hs; out = ys;
+    }
+    if (j0 >= H) return;                            /* block-uniform */
+    const int tpg = 256 / sub, sg = tid / tpg, k = (tid % tpg) * 8, r0 = j0 + sg * R;
+    const bool mine = k < hid;
+    typename Fmt<W>::Chunk c[R];
+    if (mine)
+#pragma unroll
+        for (int j = 0; j < R; j++) c[j] = wload<W>(wrow<W>(base, row0 + min(r0 + j, H - 1), hid), k);
+    __shared__ float red[8][RT];
+    for (int t0 = 0; t0 < cnt; t0 += TT) {
+        float acc[RT] = {};
+        if (mine)
+#pragma unroll
+            for (int tt = 0; tt < TT; tt++)
+                if (t0 + tt < cnt) {
+                    float hv[8];
+                    load_x8(hin + (size_t)(t0 + tt) * hid + k, hv);
+                    chunk_dot<W, R>(c, 8, [&](int, float f[8]) { for (int i = 0; i < 8; i++) f[i] = hv[i]; },
+                                    &acc[tt * R]);
+                }
+        const float v = warp_reduce_rows<RT>(acc, lane);
+        if (lane % (32 / RT) == 0) red[warp][lane / (32 / RT)] = v;
+        __syncthreads();
+        if (tid < sub * RT) {                       /* subgroup g's sum over its warps */
+            const int wpg = 8 / sub, g = tid / RT, q = tid % RT, tt = q / R, row = j0 + g * R + q % R;
+            if (t0 + tt < cnt && row < H) {
+                float s = 0.0f;
+                for (int i = 0; i < wpg; i++) s += red[g * wpg + i][q];
+                out[(size_t)(t0 + tt) * H + row] = s;
+            }
+        }
+        __syncthreads();
+    }
+}
+
 /* SwiGLU gate/up for one token (n = 1 decode): hs = silu(x . gate_i) * (x . up_i) for the always-on matrix (shared
  * expert, or the dense MLP), then h_pair[a] likewise for the a-th active expert (ascending id, = its pair index).
  * A warp per RG hidden units (Fmt: one in every format), each lane's NCH chunks of the gate and up rows (16 loads
@@ -2472,6 +2641,15 @@ struct GpuModel {
     int pdl_now;             /* set while enqueueing a one-token forward */
     int dup, nlaunch;        /* LAGUNA_DUP=k: the k-th decode launch of every layer enqueued twice (a timing hook) */
     int down_cols;           /* LAGUNA_DOWN_COLS=R (2 or 4): an experiment, moe_down_cols */
+    int split_cols;          /* o_proj by column slices over a cluster (LAGUNA_NO_SPLIT_COLS=1: the block-rows kernel) */
+    int few_warp;            /* LAGUNA_FEW_WARP=1: verification's experts by the warp-per-row kernels (q8 / q4's) */
+    /* LAGUNA_PROF=1 (a timing hook, dev/bench_gpu): forwards of 2..64 tokens (verification) record an event after
+     * each step; the time between events is summed per step name and printed by gpu_free */
+    int prof, prof_on, prof_n, prof_cap, prof_calls, prof_nstep;
+    cudaEvent_t *prof_ev;
+    const char **prof_name;
+    const char *prof_step[32];
+    double prof_ms[32];
     int moe_general;         /* LAGUNA_MOE_GENERAL=1: decode's gate/up by the general kernel (what H > 2048 takes) */
     int attn_cluster;        /* one-token attention of sliding layers as clusters of this many splits (0: global merge) */
     int cluster_y;           /* set while launching a clustered kernel (launch()) */
@@ -2779,6 +2957,9 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
     g->pdl = !getenv("LAGUNA_NO_PDL");
     g->dup = getenv("LAGUNA_DUP") ? atoi(getenv("LAGUNA_DUP")) : -1;
     g->moe_general = getenv("LAGUNA_MOE_GENERAL") != NULL;     /* so the tests reach that path at small shapes */
+    g->prof = getenv("LAGUNA_PROF") != NULL;
+    g->split_cols = getenv("LAGUNA_NO_SPLIT_COLS") ? 0 : getenv("LAGUNA_SPLIT_R") ? atoi(getenv("LAGUNA_SPLIT_R")) : 8;
+    g->few_warp = getenv("LAGUNA_FEW_WARP") != NULL;
     g->down_cols = getenv("LAGUNA_DOWN_COLS") ? atoi(getenv("LAGUNA_DOWN_COLS")) : 0;
     int D = c->head_dim, H = c->dim, KVD = c->kv_dim, T = max_tokens, E = c->n_experts, K = c->n_experts_active;
     /* formats: the matmul weights all quantized alike (q8 or q4) or none of them; the embedding (and with it a tied
@@ -2972,8 +3153,10 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
 
 extern "C" const char *gpu_summary(GpuModel *g) { return g->summary; }
 
+static void prof_report(GpuModel *g);
 extern "C" void gpu_free(GpuModel *g) {
     if (!g) return;
+    prof_report(g);
     if (g->graph) cudaGraphExecDestroy(g->graph);
     if (g->graph_long) cudaGraphExecDestroy(g->graph_long);
     if (g->blas) cublasDestroy(g->blas);
@@ -3024,6 +3207,50 @@ static void gemm(GpuModel *g, float *y, int ldy, const void *W, int out, int in,
     }
     CUBLAS_CHECK(cublasGemmEx(g->blas, CUBLAS_OP_T, CUBLAS_OP_N, out, n, in, &one, W, dtype_of(g), in, xin,
                               dtype_of(g), in, &beta, y, CUDA_R_32F, ldy, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
+/* LAGUNA_PROF: mark the end of step `name` of the forward being enqueued (see GpuModel.prof) */
+static void prof_mark(GpuModel *g, const char *name) {
+    if (!g->prof_on) return;
+    if (g->prof_n == g->prof_cap) {
+        int cap = g->prof_cap ? 2 * g->prof_cap : 1024;
+        g->prof_ev = (cudaEvent_t *)realloc(g->prof_ev, cap * sizeof(cudaEvent_t));
+        g->prof_name = (const char **)realloc(g->prof_name, cap * sizeof(char *));
+        if (!g->prof_ev || !g->prof_name) { fprintf(stderr, "laguna: error: out of host memory\n"); exit(1); }
+        for (int i = g->prof_cap; i < cap; i++) CUDA_CHECK(cudaEventCreate(&g->prof_ev[i]));
+        g->prof_cap = cap;
+    }
+    g->prof_name[g->prof_n] = name;
+    CUDA_CHECK(cudaEventRecord(g->prof_ev[g->prof_n++], g->stream));
+}
+/* after the forward has finished: add each step's time (since the previous mark) to its name's sum */
+static void prof_collect(GpuModel *g) {
+    if (!g->prof_on) return;
+    CUDA_CHECK(cudaEventSynchronize(g->prof_ev[g->prof_n - 1]));
+    for (int i = 1; i < g->prof_n; i++) {
+        float ms;
+        CUDA_CHECK(cudaEventElapsedTime(&ms, g->prof_ev[i - 1], g->prof_ev[i]));
+        int s = 0;
+        while (s < g->prof_nstep && strcmp(g->prof_step[s], g->prof_name[i])) s++;
+        if (s == g->prof_nstep) { if (s == 32) continue; g->prof_step[g->prof_nstep++] = g->prof_name[i]; }
+        g->prof_ms[s] += ms;
+    }
+    g->prof_calls++;
+    g->prof_on = 0;
+}
+static void prof_report(GpuModel *g) {
+    if (g->prof_calls) {
+        double total = 0.0;
+        for (int s = 0; s < g->prof_nstep; s++) total += g->prof_ms[s];
+        fprintf(stderr, "LAGUNA_PROF: %d forwards of 2..64 tokens, ms per forward (%.3f in all):\n", g->prof_calls,
+                total / g->prof_calls);
+        for (int s = 0; s < g->prof_nstep; s++)
+            fprintf(stderr, "  %-16s %8.3f  %5.1f%%\n", g->prof_step[s], g->prof_ms[s] / g->prof_calls,
+                    100.0 * g->prof_ms[s] / total);
+    }
+    for (int i = 0; i < g->prof_cap; i++) cudaEventDestroy(g->prof_ev[i]);
+    free(g->prof_ev);
+    free(g->prof_name);
 }
 
 /* Launch on the model's stream; while a one-token forward is enqueued (pdl_now), with programmatic dependent
@@ -3078,8 +3305,20 @@ static void matvec(GpuModel *g, float *out, const void *w, int rows, int in, con
     if constexpr (!is_q<W>) {                       /* bf16 / f32, in <= 2048: column slices, 8 rows a subgroup */
         if (in <= 256 * CH) {
             const int rb = 8 * col_subgroups((in + CH - 1) / CH);   /* rows a block */
-            launch(g, matvec_cols<W, 8>, dim3((rows + rb - 1) / rb), dim3(256), 0, out, m, rows, in, x, norm_w,
+            launch(g, matvec_cols<W, 8, false>, dim3((rows + rb - 1) / rb), dim3(256), 0, out, m, rows, in, x, norm_w,
                    g->c.norm_eps, xb_out, bias, accumulate);
+            return;
+        }
+        const int ns = (in + 256 * CH - 1) / (256 * CH);   /* wider rows (o_proj): a cluster of ns column slices */
+        if (g->split_cols && !norm_w && ns <= 8 && g->cc_major >= 9) {
+            g->cluster_y = ns;
+            if (g->split_cols == 4)
+                launch(g, matvec_cols<W, 4, true>, dim3((rows + 3) / 4, ns), dim3(256), 0, out, m, rows, in, x, norm_w,
+                       g->c.norm_eps, xb_out, bias, accumulate);
+            else
+                launch(g, matvec_cols<W, 8, true>, dim3((rows + 7) / 8, ns), dim3(256), 0, out, m, rows, in, x, norm_w,
+                       g->c.norm_eps, xb_out, bias, accumulate);
+            g->cluster_y = 0;
             return;
         }
     }
@@ -3276,17 +3515,38 @@ static void moe_many(GpuModel *g, int l, int n) {
     route_many_scatter<<<nblk, 32, E * sizeof(int), g->stream>>>(g->topk_idx, g->topk_w, n, E, K, g->blk_cnt,
         g->pair_tok, g->pair_w, g->inv);
     LAUNCH_CHECK();
+    prof_mark(g, "router");
     int max_active = P < E ? P : E;
-    if (P <= 512) {
-        /* a few tokens (verification): one launch over the active experts' rows, each read once */
+    const bool cols = !q && H % 8 == 0 && I % 8 == 0 && S % 8 == 0 && H <= 2048 && I <= 2048 && S <= 2048 &&
+                      !g->few_warp;
+    if (P <= 512 && cols) {
+        /* a few tokens (verification), bf16 / f32: by column slices, each active expert's rows read once */
+        if constexpr (!is_q<W>) {
+        const int nbI = (I + 3) / 4;
+        moe_gate_up_cols_n<W, 4, 4><<<max_active * nbI + (S + 3) / 4, 256, 0, g->stream>>>(
+            WPtr(L->experts_gate_up), I, WPtr(L->gate_up), S, H, g->xb, n, g->start, g->pair_tok, g->active,
+            g->n_active, max_active, g->h_pair, g->hs);
+        LAUNCH_CHECK();
+        prof_mark(g, "experts gate/up");
+        const int rbI = 8 * col_subgroups(I / 8), rbS = 8 * (S ? col_subgroups(S / 8) : 1);
+        moe_down_cols_n<W, 8, 4><<<max_active * ((H + rbI - 1) / rbI) + (H + rbS - 1) / rbS, 256, 0, g->stream>>>(
+            WPtr(L->experts_down), I, WPtr(L->down), S, H, n, g->start, g->active, g->n_active, max_active, g->h_pair,
+            g->hs, g->y_pair, g->ys);
+        LAUNCH_CHECK();
+        prof_mark(g, "experts down");
+        }
+    } else if (P <= 512) {
+        /* a few tokens (verification), q8 / q4: one launch over the active experts' rows, each read once */
         moe_gate_up<W><<<max_active * ((I + 7) / 8) + (S + 7) / 8, 256, 0, g->stream>>>(
             wmat(DT, L->experts_gate_up, (size_t)E * 2 * I, H), I, wmat(DT, L->gate_up, 2 * (size_t)S, H), S, H, g->xb, n,
             g->start, g->pair_tok, g->active, g->n_active, max_active, g->h_pair, g->hs);
         LAUNCH_CHECK();
+        prof_mark(g, "experts gate/up");
         moe_down<W><<<max_active * ((H + 7) / 8) + (H + 7) / 8, 256, 0, g->stream>>>(
             wmat(DT, L->experts_down, (size_t)E * H, I), I, wmat(DT, L->down, H, S), S, H, n, g->start, g->active,
             g->n_active, max_active, g->h_pair, g->hs, g->y_pair, g->ys);
         LAUNCH_CHECK();
+        prof_mark(g, "experts down");
     } else if (g->bf) {
         /* many tokens (prefill), bf16: the pairs' inputs gathered in expert order, then one tensor-core grouped
          * GEMM per projection (SwiGLU fused into gate_up); the tile map comes from route_many_scan, no host sync */
@@ -3374,6 +3634,7 @@ static void moe_many(GpuModel *g, int l, int n) {
     }
     moe_combine<<<n, 256, 0, g->stream>>>(g->x, g->y_pair, g->ys, g->inv, g->topk_idx, g->topk_w, K, H, c->routed_scaling);
     LAUNCH_CHECK();
+    prof_mark(g, "moe combine");
 }
 
 /* forward over n tokens already in g->tokens at the position in g->pos (pos: the same, on the host). W: the format
@@ -3389,6 +3650,7 @@ static void forward_gpu(GpuModel *g, int n, int pos, int all_logits) {
     default: embed_kernel<P><<<n, 256, 0, g->stream>>>(g->x, WPtr(g->embed), g->tokens, H);
     }
     LAUNCH_CHECK();
+    prof_mark(g, "embed");
     g->pdl_now = g->pdl && n == 1;
     for (int l = 0; l < c->n_layers; l++) {
         GpuLayer *L = &g->L[l];
@@ -3405,6 +3667,7 @@ static void forward_gpu(GpuModel *g, int n, int pos, int all_logits) {
                 add_bias_kernel<<<grid_for((size_t)n * L->NQ, 256), 256, 0, g->stream>>>(g->qkvg, L->bqkvg, n, L->NQ);
                 LAUNCH_CHECK();
             }
+            prof_mark(g, "q/k/v/g");
         }
         dim3 rg(n, (L->nh + 2 * c->n_kv_heads + 3) / 4);
 #define QKR(KV) launch(g, qk_norm_rope_kernel<KV>, rg, dim3(128), 0, g->qkvg, L->NQ, L->nh, c->n_kv_heads, D, \
@@ -3413,11 +3676,13 @@ static void forward_gpu(GpuModel *g, int n, int pos, int all_logits) {
         if (!fused_decode_attention(g, l, n)) KV_SWITCH(g, QKR);     /* else: done inside the attention kernel */
 #undef QKR
         attention(g, l, n, pos);
+        prof_mark(g, "attention");
         /* o_proj straight into the residual stream */
         if (n == 1) matvec<W>(g, g->x, L->wo, H, QD, g->att, NULL, NULL, L->bo, 1);
         else {
             gemm(g, g->x, H, L->wo, H, QD, g->att, n, 1.0f, DT);
             if (L->bo) { add_bias_kernel<<<grid_for((size_t)n * H, 256), 256, 0, g->stream>>>(g->x, L->bo, n, H); LAUNCH_CHECK(); }
+            prof_mark(g, "o_proj");
         }
         /* ---- MLP block: dense SwiGLU or MoE ---- */
         if (n == 1) { mlp_decode<W, P>(g, l); capture_taps(g, l, n); continue; }
@@ -3428,6 +3693,7 @@ static void forward_gpu(GpuModel *g, int n, int pos, int all_logits) {
             swiglu_kernel<float><<<grid_for((size_t)n * L->hid, 256), 256, 0, g->stream>>>(g->mlp_act, g->mlp_h, n, L->hid);
             LAUNCH_CHECK();
             gemm(g, g->x, H, L->down, H, L->hid, g->mlp_act, n, 1.0f, DT);
+            prof_mark(g, "dense mlp");
         } else {
             moe_many<W, P>(g, l, n);
         }
@@ -3442,6 +3708,7 @@ static void forward_gpu(GpuModel *g, int n, int pos, int all_logits) {
     rmsnorm_kernel<<<rows, 256, 0, g->stream>>>(g->xb, g->x + (size_t)first * H, H, g->final_norm, H, c->norm_eps);
     LAUNCH_CHECK();
     gemm(g, g->logits, V, g->lm_head, V, H, g->xb, rows, 0.0f, g->ldt);
+    prof_mark(g, "lm_head");
 }
 
 static void forward_any(GpuModel *g, int n, int pos, int all_logits) {
@@ -3463,6 +3730,9 @@ static void enqueue_forward(GpuModel *g, const int *tokens, int n, int pos, int 
     g->long_attn = pos >= g->long_from;
     CUDA_CHECK(cudaMemcpyAsync(g->tokens, g->h_tokens, n * sizeof(int), cudaMemcpyHostToDevice, g->stream));
     CUDA_CHECK(cudaMemcpyAsync(g->pos, &g->h_step->pos, sizeof(int), cudaMemcpyHostToDevice, g->stream));
+    g->prof_on = g->prof && n > 1 && n <= 64;
+    g->prof_n = 0;
+    prof_mark(g, "start");
     forward_any(g, n, pos, all_logits);
 }
 
@@ -3470,7 +3740,9 @@ extern "C" float *gpu_forward(GpuModel *g, const int *tokens, int n, int pos, in
     enqueue_forward(g, tokens, n, pos, all_logits);
     size_t count = (size_t)(all_logits ? n : 1) * g->c.vocab_size;
     CUDA_CHECK(cudaMemcpyAsync(g->h_logits, g->logits, count * sizeof(float), cudaMemcpyDeviceToHost, g->stream));
+    prof_mark(g, "logits copy");
     CUDA_CHECK(cudaStreamSynchronize(g->stream));
+    prof_collect(g);
     return g->h_logits;
 }
 

@@ -6,7 +6,8 @@
 # Builds both, exports the XS-2.1 synthetic file in each of $DTYPES (default bf16 q4 q8), then for each file runs
 # dev/bench_gpu at $CTX (default 512) $ROUNDS times (default 3) A, B, A, B, ... and prints each run and the means.
 # $VARIANTS: B is run once per word (default, or VAR=value[,VAR=value...] in its environment), e.g.
-# VARIANTS="default LAGUNA_X=1"; the label in ab.txt is B or B:word.
+# VARIANTS="default LAGUNA_X=1"; the label in ab.txt is B or B:word. Each run's line has the decode tok/s and the
+# 16-token verification's ms per context; a variant with LAGUNA_PROF=1 adds its first run's verification profile.
 # $EXTRA: more B-only bench_gpu command lines (arguments after the file, e.g. "--kv fp8 8192 131072"; several
 # separated by ';', each optionally "VAR=x VAR2=y|" first for its environment), on the bf16 file.
 # $TRACE=1: B is also built with -DLAGUNA_TRACE and traces one decode step at 512 on the bf16 file (trace.csv.gz,
@@ -54,7 +55,9 @@ for dt in $DTYPES; do
             log="$OUT/runs/$dt-${label//[:=,]/_}-$r.log"
             ( [ $side != A ] && [ $side != default ] && export ${side//,/ }
               timeout 60 $bin $f $CTX > "$log" 2>&1 )
-            echo "$dt $label $r: $(grep '^| [0-9]' "$log" | cut -d'|' -f2,5 | tr '\n' ' ') $(grep -c rror "$log") errors" >> "$S"
+            echo "$dt $label $r: $(grep '^| [0-9]' "$log" | cut -d'|' -f2,5 | tr '\n' ' ') $(grep -c rror "$log") errors;" \
+                 "verify 16 ms: $(grep '^| [0-9]' "$log" | cut -d'|' -f10 | tr -d ' ' | tr '\n' ' ')" >> "$S"
+            [ $r = 1 ] && grep -A24 '^LAGUNA_PROF' "$log" | grep -v '^|' >> "$S"    # a LAGUNA_PROF=1 variant's table
         done
     done
 done

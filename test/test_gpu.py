@@ -196,16 +196,30 @@ def test_gpu_general_moe_decode_kernel(laguna_gpu, exported, name, tmp_path):
     assert d <= TOL_F32
 
 
+# hidden size -> what else differs from the fixtures' config: wide o_proj rows (20 x 128 = 2560 inputs: two column
+# slices, the second half full; 48 / 64 x 128: XS's 6144 / 8192, three and four), experts' and shared experts'
+# widths whose rows make 8, 4 or 1 column subgroups in the verification kernels (I = 256, 512, 128)
+LAYOUTS = {
+    256: dict(head_dim=128, num_attention_heads=20, num_attention_heads_per_layer=[20] * 4, num_key_value_heads=4,
+              moe_intermediate_size=256, shared_expert_intermediate_size=512),
+    512: dict(head_dim=128, num_attention_heads=48, num_attention_heads_per_layer=[48, 64, 64, 64],
+              num_key_value_heads=8, moe_intermediate_size=512, shared_expert_intermediate_size=256),
+    1024: dict(moe_intermediate_size=128),
+}
+
+
 @pytest.mark.parametrize("hidden", [256, 512, 1024])
-def test_gpu_column_slice_subgroups(laguna_gpu, hidden, tmp_path):
-    """The bf16 / f32 decode matvec (matvec_cols) splits a block into 256 / (hidden / 8) subgroups of whole warps when a
-    row has 32-128 chunks of 8 -- hidden 256, 512, 1024 -- each subgroup with its own rows; the fixtures (hidden 64)
-    and the real widths (2048) never do. A random f32 checkpoint at each width, saved with save_pretrained, against
-    transformers in fp32: the decode kernels token by token (--chunk 1) and the one-pass forward."""
+def test_gpu_column_slice_layouts(laguna_gpu, hidden, tmp_path):
+    """The bf16 / f32 column-slice kernels at widths the fixtures (hidden 64) never reach: the decode matvec
+    (matvec_cols) splits a block into 256 / (hidden / 8) subgroups of whole warps when a row has 32-128 chunks of 8
+    (hidden 256, 512, 1024), and rows wider than 2048 (o_proj) over a cluster of column slices; the verification's
+    expert kernels (moe_gate_up_cols_n / moe_down_cols_n) make subgroups of the experts' rows. A random f32
+    checkpoint at each width, saved with save_pretrained, against transformers in fp32: the decode kernels token by
+    token (--chunk 1), 16 tokens a forward (--chunk 16: verification's shape) and the one-pass forward."""
     sys.path.insert(0, os.path.join(ROOT, "test"))
     import torch
     import make_fixtures as mf
-    cfg = mf.LagunaConfig(**mf.base_config(hidden_size=hidden, vocab_size=1024))
+    cfg = mf.LagunaConfig(**mf.base_config(hidden_size=hidden, vocab_size=1024, **LAYOUTS[hidden]))
     model = mf.LagunaForCausalLM(cfg).float().eval()
     gen = torch.Generator().manual_seed(hidden)
     mf.randomize(model, cfg, gen)
@@ -218,7 +232,8 @@ def test_gpu_column_slice_subgroups(laguna_gpu, hidden, tmp_path):
     run([sys.executable, os.path.join(ROOT, "export.py"), "-q", hf, m])
     ids_file = tmp_path / "ids.txt"
     ids_file.write_text(" ".join(str(int(i)) for i in ids))
-    for label, extra in (("token by token", ("--chunk", "1")), ("one pass", ())):
+    for label, extra in (("token by token", ("--chunk", "1")), ("16 a forward", ("--chunk", "16")),
+                         ("one pass", ())):
         got, _ = score(laguna_gpu, m, str(ids_file), tmp_path, *extra)
         d = float(np.abs(got - ref).max())
         print(f"\n[gpu] hidden {hidden} ({256 // (hidden // 8)} subgroups), {label}: max |GPU - transformers| = "
