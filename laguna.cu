@@ -1810,82 +1810,107 @@ __global__ void __launch_bounds__(256) moe_down(WPtr experts_down, int I, WPtr a
 }
 
 /* The same two steps by column slices (bf16 / f32; H, I and S multiples of 8 and at most 2048), which the 16-token
- * verification takes: a block owns R units (or rows) of one matrix, each thread the same 8 columns of all of them,
- * so the block's 32 KB of weights are loaded once, into registers, and the matrix's tokens pass over them TT at a
- * time: per token a thread reads its 8 values of x (not, as in the warp-per-row kernels above, every row's x
- * again). The R x TT sums go over the warp by halving exchanges (warp_reduce_rows), then over the warps. */
-template <typename W, int R, int TT>
-__global__ void __launch_bounds__(256) moe_gate_up_cols_n(WPtr experts_gu, int I, WPtr always_gu, int S, int H,
-                                                          const float *xb, int n, const int *start,
-                                                          const int *pair_tok, const int *active,
-                                                          const int *n_active, int max_active, float *h_pair,
-                                                          float *hs) {
-    static_assert(!is_q<W> && 2 * R * TT <= 32, "bf16 / f32; 2 R TT sums a warp");
-    constexpr int RT = 2 * R * TT;                  /* sums a thread keeps: [tt][gate j | up j] */
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, k = tid * 8, nbI = (I + R - 1) / R;
+ * verification takes. A block owns U units (gate/up) or rows (down) of one matrix and walks them R at a time (a
+ * step: 32 KB); each thread holds the same 8 columns of the step's rows, and the next step's weights are loaded
+ * while the current one is summed (two register buffers), so a block keeps 32-64 KB in flight from start to end.
+ * The matrix's tokens pass over each step TT at a time: per token a thread needs only its 8 values of x, kept in
+ * registers across steps when the matrix has at most TT tokens (a routed expert mostly has one or two). The R x TT
+ * sums go over the warp by halving exchanges (warp_reduce_rows), then over the warps (shared memory, double-buffered:
+ * one barrier a pass). A first version with one step a block (16,000 blocks of ~6 dependent round trips each) made
+ * the verification 1.6x slower than the warp-per-row kernels above (dev/gpu_notes.md, round 10). */
+template <typename W, int R, int TT, int U>
+__global__ void __launch_bounds__(256, 2) moe_gate_up_cols_n(WPtr experts_gu, int I, WPtr always_gu, int S, int H,
+                                                             const float *xb, int n, const int *start,
+                                                             const int *pair_tok, const int *active,
+                                                             const int *n_active, int max_active, float *h_pair,
+                                                             float *hs) {
+    static_assert(!is_q<W> && 2 * R * TT <= 32 && U % (2 * R) == 0, "bf16 / f32; 2 R TT sums a warp; steps in pairs");
+    using Chunk = typename Fmt<W>::Chunk;
+    constexpr int RT = 2 * R * TT, NST = U / R;    /* sums a thread keeps ([tt][gate j | up j]); steps a block */
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, k = tid * 8, nbU = (I + U - 1) / U;
     const int b = blockIdx.x;
     WPtr base;
     size_t row0 = 0;
     int hid, i0, cnt;
     const int *toks = NULL;                          /* the expert's tokens (NULL: all n, the always-on matrix) */
     float *out;
-    if (b < max_active * nbI) {
-        const int a = b / nbI;
+    if (b < max_active * nbU) {
+        const int a = b / nbU;
         if (a >= *n_active) return;
         const int e = active[a], first = start[e];
-        i0 = (b % nbI) * R; hid = I; base = experts_gu; row0 = (size_t)e * 2 * I;
+        i0 = (b % nbU) * U; hid = I; base = experts_gu; row0 = (size_t)e * 2 * I;
         cnt = start[e + 1] - first; toks = pair_tok + first; out = h_pair + (size_t)first * I;
     } else {
-        i0 = (b - max_active * nbI) * R; hid = S; base = always_gu; cnt = n; out = hs;
+        i0 = (b - max_active * nbU) * U; hid = S; base = always_gu; cnt = n; out = hs;
     }
     if (i0 >= hid) return;                          /* block-uniform */
     const bool mine = k < H;
-    typename Fmt<W>::Chunk c[2 * R];               /* [j]: the gate row of unit i0 + j; [R + j]: its up row */
-    if (mine)
+    auto load = [&](Chunk (&c)[2 * R], int st) {    /* step st's gate rows ([j]) and up rows ([R + j]) */
+        if (mine && i0 + st * R < hid)
 #pragma unroll
-        for (int j = 0; j < R; j++) {
-            const int i = min(i0 + j, hid - 1);
-            c[j] = wload<W>(wrow<W>(base, row0 + i, H), k);
-            c[R + j] = wload<W>(wrow<W>(base, row0 + hid + i, H), k);
-        }
-    __shared__ float red[8][RT];
-    for (int t0 = 0; t0 < cnt; t0 += TT) {
-        float acc[RT] = {};
-        if (mine)
-#pragma unroll
-            for (int tt = 0; tt < TT; tt++)
-                if (t0 + tt < cnt) {
-                    float xv[8];
-                    load_x8(xb + (size_t)(toks ? toks[t0 + tt] : t0 + tt) * H + k, xv);
-                    chunk_dot<W, 2 * R>(c, 8, [&](int, float f[8]) { for (int i = 0; i < 8; i++) f[i] = xv[i]; },
-                                        &acc[tt * 2 * R]);
-                }
-        const float v = warp_reduce_rows<RT>(acc, lane);
-        if (lane % (32 / RT) == 0) red[warp][lane / (32 / RT)] = v;
-        __syncthreads();
-        if (tid < R * TT) {
-            const int tt = tid / R, j = tid % R;
-            if (t0 + tt < cnt && i0 + j < hid) {
-                float gs = 0.0f, us = 0.0f;
-                for (int w = 0; w < 8; w++) { gs += red[w][tt * 2 * R + j]; us += red[w][tt * 2 * R + R + j]; }
-                out[(size_t)(t0 + tt) * hid + i0 + j] = silu(gs) * us;
+            for (int j = 0; j < R; j++) {
+                const int i = min(i0 + st * R + j, hid - 1);
+                c[j] = wload<W>(wrow<W>(base, row0 + i, H), k);
+                c[R + j] = wload<W>(wrow<W>(base, row0 + hid + i, H), k);
             }
+    };
+    float xv[TT][8];
+    auto load_x = [&](int t0) {
+#pragma unroll
+        for (int tt = 0; tt < TT; tt++)
+            if (mine && t0 + tt < cnt) load_x8(xb + (size_t)(toks ? toks[t0 + tt] : t0 + tt) * H + k, xv[tt]);
+            else for (int i = 0; i < 8; i++) xv[tt][i] = 0.0f;
+    };
+    __shared__ float red[2][8][RT];
+    int par = 0;
+    auto step = [&](const Chunk (&c)[2 * R], int st) {
+        const int u0 = i0 + st * R;
+        if (u0 >= hid) return;                      /* block-uniform */
+        for (int t0 = 0; t0 < cnt; t0 += TT) {
+            if (cnt > TT) load_x(t0);
+            float acc[RT] = {};
+            if (mine)
+#pragma unroll
+                for (int tt = 0; tt < TT; tt++)
+                    chunk_dot<W, 2 * R>(c, 8, [&](int, float f[8]) { for (int i = 0; i < 8; i++) f[i] = xv[tt][i]; },
+                                        &acc[tt * 2 * R]);
+            const float v = warp_reduce_rows<RT>(acc, lane);
+            if (lane % (32 / RT) == 0) red[par][warp][lane / (32 / RT)] = v;
+            __syncthreads();
+            if (tid < R * TT) {
+                const int tt = tid / R, j = tid % R;
+                if (t0 + tt < cnt && u0 + j < hid) {
+                    float gs = 0.0f, us = 0.0f;
+                    for (int w = 0; w < 8; w++) { gs += red[par][w][tt * 2 * R + j]; us += red[par][w][tt * 2 * R + R + j]; }
+                    out[(size_t)(t0 + tt) * hid + u0 + j] = silu(gs) * us;
+                }
+            }
+            par ^= 1;
         }
-        __syncthreads();
+    };
+    Chunk ca[2 * R], cb[2 * R];
+    load(ca, 0);
+    if (cnt <= TT) load_x(0);
+    for (int st = 0; st < NST; st += 2) {           /* load one buffer while the other is summed */
+        load(cb, st + 1);
+        step(ca, st);
+        if (st + 2 < NST) load(ca, st + 2);
+        step(cb, st + 1);
     }
 }
 
-/* down: a block owns R rows of one expert's down matrix for each of its column subgroups (a row of I = 512 is 64
- * chunks: 4 subgroups of 64 threads, 32 rows a block) */
-template <typename W, int R, int TT>
-__global__ void __launch_bounds__(256) moe_down_cols_n(WPtr experts_down, int I, WPtr always_down, int S, int H,
-                                                       int n, const int *start, const int *active,
-                                                       const int *n_active, int max_active, const float *h_pair,
-                                                       const float *hs, float *y_pair, float *ys) {
-    static_assert(!is_q<W> && R * TT <= 32, "bf16 / f32; R TT sums a warp");
+/* down: a step is R rows of each column subgroup (a row of I = 512 is 64 chunks: 4 subgroups of 64 threads, 32 rows a
+ * step); a block owns U steps' rows of one matrix */
+template <typename W, int R, int TT, int U>
+__global__ void __launch_bounds__(256, 2) moe_down_cols_n(WPtr experts_down, int I, WPtr always_down, int S, int H,
+                                                          int n, const int *start, const int *active,
+                                                          const int *n_active, int max_active, const float *h_pair,
+                                                          const float *hs, float *y_pair, float *ys) {
+    static_assert(!is_q<W> && R * TT <= 32 && U % 2 == 0, "bf16 / f32; R TT sums a warp; steps in pairs");
+    using Chunk = typename Fmt<W>::Chunk;
     constexpr int RT = R * TT;                      /* [tt][row j] */
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, b = blockIdx.x;
-    const int subI = col_subgroups(I / 8), nbI = (H + subI * R - 1) / (subI * R);
+    const int subI = col_subgroups(I / 8), nbI = (H + subI * R * U - 1) / (subI * R * U);
     WPtr base;
     size_t row0 = 0;
     int hid, sub, j0, cnt;
@@ -1895,43 +1920,63 @@ __global__ void __launch_bounds__(256) moe_down_cols_n(WPtr experts_down, int I,
         const int a = b / nbI;
         if (a >= *n_active) return;
         const int e = active[a], first = start[e];
-        hid = I; sub = subI; j0 = (b % nbI) * subI * R; base = experts_down; row0 = (size_t)e * H;
+        hid = I; sub = subI; j0 = (b % nbI) * subI * R * U; base = experts_down; row0 = (size_t)e * H;
         cnt = start[e + 1] - first; hin = h_pair + (size_t)first * I; out = y_pair + (size_t)first * H;
     } else {
-        hid = S; sub = S ? col_subgroups(S / 8) : 1; j0 = (b - max_active * nbI) * sub * R; base = always_down;
+        hid = S; sub = S ? col_subgroups(S / 8) : 1; j0 = (b - max_active * nbI) * sub * R * U; base = always_down;
         cnt = n; hin = hs; out = ys;
     }
     if (j0 >= H) return;                            /* block-uniform */
-    const int tpg = 256 / sub, sg = tid / tpg, k = (tid % tpg) * 8, r0 = j0 + sg * R;
+    const int tpg = 256 / sub, sg = tid / tpg, k = (tid % tpg) * 8, SR = sub * R;   /* SR: rows a step */
     const bool mine = k < hid;
-    typename Fmt<W>::Chunk c[R];
-    if (mine)
+    auto load = [&](Chunk (&c)[R], int st) {
+        const int r0 = j0 + st * SR + sg * R;
+        if (mine && j0 + st * SR < H)
 #pragma unroll
-        for (int j = 0; j < R; j++) c[j] = wload<W>(wrow<W>(base, row0 + min(r0 + j, H - 1), hid), k);
-    __shared__ float red[8][RT];
-    for (int t0 = 0; t0 < cnt; t0 += TT) {
-        float acc[RT] = {};
-        if (mine)
+            for (int j = 0; j < R; j++) c[j] = wload<W>(wrow<W>(base, row0 + min(r0 + j, H - 1), hid), k);
+    };
+    float hv[TT][8];
+    auto load_h = [&](int t0) {
 #pragma unroll
-            for (int tt = 0; tt < TT; tt++)
-                if (t0 + tt < cnt) {
-                    float hv[8];
-                    load_x8(hin + (size_t)(t0 + tt) * hid + k, hv);
-                    chunk_dot<W, R>(c, 8, [&](int, float f[8]) { for (int i = 0; i < 8; i++) f[i] = hv[i]; },
+        for (int tt = 0; tt < TT; tt++)
+            if (mine && t0 + tt < cnt) load_x8(hin + (size_t)(t0 + tt) * hid + k, hv[tt]);
+            else for (int i = 0; i < 8; i++) hv[tt][i] = 0.0f;
+    };
+    __shared__ float red[2][8][RT];
+    int par = 0;
+    auto step = [&](const Chunk (&c)[R], int st) {
+        const int s0 = j0 + st * SR;
+        if (s0 >= H) return;                        /* block-uniform */
+        for (int t0 = 0; t0 < cnt; t0 += TT) {
+            if (cnt > TT) load_h(t0);
+            float acc[RT] = {};
+            if (mine)
+#pragma unroll
+                for (int tt = 0; tt < TT; tt++)
+                    chunk_dot<W, R>(c, 8, [&](int, float f[8]) { for (int i = 0; i < 8; i++) f[i] = hv[tt][i]; },
                                     &acc[tt * R]);
+            const float v = warp_reduce_rows<RT>(acc, lane);
+            if (lane % (32 / RT) == 0) red[par][warp][lane / (32 / RT)] = v;
+            __syncthreads();
+            if (tid < sub * RT) {                   /* subgroup g's sum over its warps */
+                const int wpg = 8 / sub, g = tid / RT, q = tid % RT, tt = q / R, row = s0 + g * R + q % R;
+                if (t0 + tt < cnt && row < H) {
+                    float s = 0.0f;
+                    for (int i = 0; i < wpg; i++) s += red[par][g * wpg + i][q];
+                    out[(size_t)(t0 + tt) * H + row] = s;
                 }
-        const float v = warp_reduce_rows<RT>(acc, lane);
-        if (lane % (32 / RT) == 0) red[warp][lane / (32 / RT)] = v;
-        __syncthreads();
-        if (tid < sub * RT) {                       /* subgroup g's sum over its warps */
-            const int wpg = 8 / sub, g = tid / RT, q = tid % RT, tt = q / R, row = j0 + g * R + q % R;
-            if (t0 + tt < cnt && row < H) {
-                float s = 0.0f;
-                for (int i = 0; i < wpg; i++) s += red[g * wpg + i][q];
-                out[(size_t)(t0 + tt) * H + row] = s;
             }
+            par ^= 1;
         }
-        __syncthreads();
+    };
+    Chunk ca[R], cb[R];
+    load(ca, 0);
+    if (cnt <= TT) load_h(0);
+    for (int st = 0; st < U; st += 2) {
+        load(cb, st + 1);
+        step(ca, st);
+        if (st + 2 < U) load(ca, st + 2);
+        step(cb, st + 1);
     }
 }
 
@@ -2072,12 +2117,14 @@ __global__ void __launch_bounds__(256) moe_gate_up_cols(WPtr experts_gu, int I, 
     }
 }
 
-/* EXPERIMENT (LAGUNA_DOWN_COLS=1; branch next, not measured): the down projections by column slices (bf16 / f32;
- * I and S multiples of 8). A row's columns are the active experts' I columns in plan order, then the always-on
- * matrix's S; each thread owns NC chunks of them for the block's R rows. Before the wait: the weights (two or more
- * kernels old, see moe_down_decode) and the residual; after it, all NC chunks' h values and routing weights in one
- * go (round 9's variant read them chunk by chunk: likely dependent L2 round trips), then the dots. Routed and
- * always-on sums are kept apart and combined as the CPU does: x[j] += sh + scaling * routed. */
+/* Decode's down projections by column slices (bf16 / f32; I and S multiples of 8, K * I + S <= 6144): a row's
+ * columns are the active experts' I columns in plan order, then the always-on matrix's S; each thread owns NC chunks
+ * of them for the block's R rows. Before the wait: the weights (two or more kernels old, see moe_down_decode) and
+ * the residual; after it, all NC chunks' h values and routing weights in one go, then the dots. Routed and always-on
+ * sums are kept apart and combined as the CPU does: x[j] += sh + scaling * routed. On the H200 in the decode graph
+ * (bf16, 512 / 8K): 401.9 / 377.5 tok/s with moe_down_decode, 413.5 / 385.9 with this at R = 4, 372.4 / 351.0 at
+ * R = 2 (dev/gpu_notes.md, round 10). Round 9's version read each chunk's h after the previous chunk's sums (likely
+ * dependent L2 round trips) and was not faster than moe_down_decode. */
 template <typename W, int R, int NC>
 __global__ void __launch_bounds__(256) moe_down_cols(float *x, WPtr experts_down, int I, WPtr always_down, int S,
                                                      int H, const int *active, const int *n_active,
@@ -2640,7 +2687,7 @@ struct GpuModel {
     int pdl;                 /* programmatic dependent launch for the decode kernels (LAGUNA_NO_PDL=1: off) */
     int pdl_now;             /* set while enqueueing a one-token forward */
     int dup, nlaunch;        /* LAGUNA_DUP=k: the k-th decode launch of every layer enqueued twice (a timing hook) */
-    int down_cols;           /* LAGUNA_DOWN_COLS=R (2 or 4): an experiment, moe_down_cols */
+    int down_warp;           /* LAGUNA_DOWN_WARP=1: decode's down projections by moe_down_decode (q8 / q4's kernel) */
     int split_cols;          /* o_proj by column slices over a cluster (LAGUNA_NO_SPLIT_COLS=1: the block-rows kernel) */
     int few_warp;            /* LAGUNA_FEW_WARP=1: verification's experts by the warp-per-row kernels (q8 / q4's) */
     /* LAGUNA_PROF=1 (a timing hook, dev/bench_gpu): forwards of 2..64 tokens (verification) record an event after
@@ -2958,9 +3005,9 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
     g->dup = getenv("LAGUNA_DUP") ? atoi(getenv("LAGUNA_DUP")) : -1;
     g->moe_general = getenv("LAGUNA_MOE_GENERAL") != NULL;     /* so the tests reach that path at small shapes */
     g->prof = getenv("LAGUNA_PROF") != NULL;
-    g->split_cols = getenv("LAGUNA_NO_SPLIT_COLS") ? 0 : getenv("LAGUNA_SPLIT_R") ? atoi(getenv("LAGUNA_SPLIT_R")) : 8;
+    g->split_cols = getenv("LAGUNA_NO_SPLIT_COLS") == NULL;
     g->few_warp = getenv("LAGUNA_FEW_WARP") != NULL;
-    g->down_cols = getenv("LAGUNA_DOWN_COLS") ? atoi(getenv("LAGUNA_DOWN_COLS")) : 0;
+    g->down_warp = getenv("LAGUNA_DOWN_WARP") != NULL;     /* so the tests reach that path in bf16 / f32 */
     int D = c->head_dim, H = c->dim, KVD = c->kv_dim, T = max_tokens, E = c->n_experts, K = c->n_experts_active;
     /* formats: the matmul weights all quantized alike (q8 or q4) or none of them; the embedding (and with it a tied
      * lm_head) and lm_head may be quantized on their own (export.py: the embedding is q8 in q4 files too); the
@@ -3312,12 +3359,8 @@ static void matvec(GpuModel *g, float *out, const void *w, int rows, int in, con
         const int ns = (in + 256 * CH - 1) / (256 * CH);   /* wider rows (o_proj): a cluster of ns column slices */
         if (g->split_cols && !norm_w && ns <= 8 && g->cc_major >= 9) {
             g->cluster_y = ns;
-            if (g->split_cols == 4)
-                launch(g, matvec_cols<W, 4, true>, dim3((rows + 3) / 4, ns), dim3(256), 0, out, m, rows, in, x, norm_w,
-                       g->c.norm_eps, xb_out, bias, accumulate);
-            else
-                launch(g, matvec_cols<W, 8, true>, dim3((rows + 7) / 8, ns), dim3(256), 0, out, m, rows, in, x, norm_w,
-                       g->c.norm_eps, xb_out, bias, accumulate);
+            launch(g, matvec_cols<W, 8, true>, dim3((rows + 7) / 8, ns), dim3(256), 0, out, m, rows, in, x, norm_w,
+                   g->c.norm_eps, xb_out, bias, accumulate);
             g->cluster_y = 0;
             return;
         }
@@ -3466,16 +3509,12 @@ static void mlp_decode(GpuModel *g, int l) {
 #undef ROUTE
     GATE_UP(egu, g->n_active, K);
 #undef GATE_UP
+    /* the down projections: bf16 / f32 by column slices where the row fits 3 chunks a thread, else a warp a row */
     if constexpr (!is_q<W>)
-        if (g->down_cols && (K * I + L->hid) / 8 <= 3 * 256 && I % 8 == 0) {    /* the experiment */
-            if (g->down_cols == 2)
-                launch(g, moe_down_cols<W, 2, 3>, dim3((H + 1) / 2), dim3(256), 0, g->x, edn, I, down, L->hid, H,
-                       (const int *)g->active, (const int *)g->n_active, (const float *)g->pair_w,
-                       (const float *)g->h_pair, (const float *)g->hs, c->routed_scaling);
-            else
-                launch(g, moe_down_cols<W, 4, 3>, dim3((H + 3) / 4), dim3(256), 0, g->x, edn, I, down, L->hid, H,
-                       (const int *)g->active, (const int *)g->n_active, (const float *)g->pair_w,
-                       (const float *)g->h_pair, (const float *)g->hs, c->routed_scaling);
+        if (!g->down_warp && (K * I + L->hid) / 8 <= 3 * 256 && I % 8 == 0 && L->hid % 8 == 0) {
+            launch(g, moe_down_cols<W, 4, 3>, dim3((H + 3) / 4), dim3(256), 0, g->x, edn, I, down, L->hid, H,
+                   (const int *)g->active, (const int *)g->n_active, (const float *)g->pair_w,
+                   (const float *)g->h_pair, (const float *)g->hs, c->routed_scaling);
             return;
         }
     launch(g, moe_down_decode<W>, dim3((H + 7) / 8), dim3(256), 0, g->x, edn, I, down, L->hid, H,
@@ -3522,14 +3561,14 @@ static void moe_many(GpuModel *g, int l, int n) {
     if (P <= 512 && cols) {
         /* a few tokens (verification), bf16 / f32: by column slices, each active expert's rows read once */
         if constexpr (!is_q<W>) {
-        const int nbI = (I + 3) / 4;
-        moe_gate_up_cols_n<W, 4, 4><<<max_active * nbI + (S + 3) / 4, 256, 0, g->stream>>>(
+        constexpr int U = 32, UD = 8;               /* units a gate/up block; steps a down block */
+        moe_gate_up_cols_n<W, 4, 2, U><<<max_active * ((I + U - 1) / U) + (S + U - 1) / U, 256, 0, g->stream>>>(
             WPtr(L->experts_gate_up), I, WPtr(L->gate_up), S, H, g->xb, n, g->start, g->pair_tok, g->active,
             g->n_active, max_active, g->h_pair, g->hs);
         LAUNCH_CHECK();
         prof_mark(g, "experts gate/up");
-        const int rbI = 8 * col_subgroups(I / 8), rbS = 8 * (S ? col_subgroups(S / 8) : 1);
-        moe_down_cols_n<W, 8, 4><<<max_active * ((H + rbI - 1) / rbI) + (H + rbS - 1) / rbS, 256, 0, g->stream>>>(
+        const int rbI = 8 * UD * col_subgroups(I / 8), rbS = 8 * UD * (S ? col_subgroups(S / 8) : 1);
+        moe_down_cols_n<W, 8, 2, UD><<<max_active * ((H + rbI - 1) / rbI) + (H + rbS - 1) / rbS, 256, 0, g->stream>>>(
             WPtr(L->experts_down), I, WPtr(L->down), S, H, n, g->start, g->active, g->n_active, max_active, g->h_pair,
             g->hs, g->y_pair, g->ys);
         LAUNCH_CHECK();

@@ -186,14 +186,18 @@ def test_gpu_bf16_kernels_exact_with_f32_kv(laguna_gpu, exported, name, tmp_path
 
 @pytest.mark.parametrize("name", ["xs2_f32", "variant"])
 def test_gpu_general_moe_decode_kernel(laguna_gpu, exported, name, tmp_path):
-    """Decode's gate/up through the general MoE kernel with the router's one-token plan (the path hidden sizes above
-    2048 take; LAGUNA_MOE_GENERAL=1 forces it here): token by token, the CPU's logits within the fp32 bar."""
+    """Decode's gate/up through the general MoE kernel with the router's one-token plan and its down projections a
+    warp a row (the paths hidden sizes above 2048, or experts wider than the column-slice kernel's 3 chunks a thread,
+    take; LAGUNA_MOE_GENERAL=1 and LAGUNA_DOWN_WARP=1 force them here): token by token, the CPU's logits within the
+    fp32 bar."""
     cpu, _ = score(laguna_gpu, exported(name), fx(name, "score.txt"), tmp_path, "--cpu")
-    gpu, _ = score(laguna_gpu, exported(name), fx(name, "score.txt"), tmp_path, "--chunk", "1",
-                   env=dict(os.environ, LAGUNA_MOE_GENERAL="1"))
-    d = float(np.abs(gpu - cpu).max())
-    print(f"\n[gpu] {name} general MoE kernel at decode: max |GPU - CPU| = {d:.3g} (bar {TOL_F32})")
-    assert d <= TOL_F32
+    for label, env in (("general gate/up kernel", dict(LAGUNA_MOE_GENERAL="1")),
+                       ("down a warp a row", dict(LAGUNA_DOWN_WARP="1"))):
+        gpu, _ = score(laguna_gpu, exported(name), fx(name, "score.txt"), tmp_path, "--chunk", "1",
+                       env=dict(os.environ, **env))
+        d = float(np.abs(gpu - cpu).max())
+        print(f"\n[gpu] {name} decode, {label}: max |GPU - CPU| = {d:.3g} (bar {TOL_F32})")
+        assert d <= TOL_F32
 
 
 # hidden size -> what else differs from the fixtures' config: wide o_proj rows (20 x 128 = 2560 inputs: two column
