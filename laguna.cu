@@ -644,11 +644,12 @@ __global__ void __launch_bounds__(256) matvec_warp(float *out, WPtr w, int rows,
  * H200 (dev/chain_lab) it streams 4.2 TB/s against matvec_warp's 3.1 (a plain stream: 4.5); in the decode graph
  * bf16 356 -> 386 tok/s at 512 (dev/gpu_notes.md, round 9). For q8 / q4 it was slower (408 -> 386): they keep
  * matvec_warp.
- * The layout is matvec_rows's (the block-rows kernel, o_proj's) at ROWS = 8, NCH = 1; this kernel adds the
- * subgroups and the halving reduction and compiles to 64 registers (4 blocks an SM) where matvec_kernel<bf16, 8, 1>
- * takes 96 (2). Round 2 measured the block-rows kernel of then on q/k/v/g at 309 tok/s against matvec_warp's 317;
- * which of the differences makes this one faster is not measured. Folding the two into one kernel (and measuring
- * o_proj with it) is the next session's first cleanup (dev/gpu_notes.md). */
+ * The layout is matvec_rows's (the block-rows kernel: the router's, and q8 / q4's o_proj) at ROWS = 8, NCH = 1;
+ * this kernel adds the subgroups, the halving reduction and the column slices over a cluster (o_proj, below), and
+ * compiles to 64 registers (4 blocks an SM) where matvec_kernel<bf16, 8, 1> takes 96 (2). For o_proj in bf16 the
+ * split took 397.2 -> 401.9 and 411.2 -> 412.7 tok/s at 512 in two calls against the block-rows kernel
+ * (matvec_kernel<bf16, 2, 4>, which reads all 32 KB of x per 32 KB of weights), 8 rows a block; 4 rows: 387.1
+ * (dev/gpu_notes.md, round 10). Small, so kept mostly for the x side's sake. */
 template <int R> __device__ __forceinline__ float warp_reduce_rows(float (&v)[R], int lane) {
     static_assert(R >= 1 && R <= 32 && (R & (R - 1)) == 0, "R: a power of two <= 32");
     int n = R;
@@ -1491,10 +1492,11 @@ __global__ void attention_combine(float *att, const float *part_o, const float2 
 }
 
 /* ---- MoE ----
- * route_plan (one block): sigmoid router (optional tanh softcap), top-k of score + correction bias (ties to the
- * lower id), weights = unbiased scores renormalised; then the (token, slot) pairs sorted by expert so each
- * active expert's weights are read once: start[e]..start[e+1] are expert e's pairs, pair_tok / pair_w their
- * token and weight, inv[t*K + j] where pair (t, j) went, active[0..n_active) the experts used (ascending). */
+ * Routing: sigmoid router (optional tanh softcap), top-k of score + correction bias (ties to the lower id), weights
+ * = unbiased scores renormalised; then the plan: the (token, slot) pairs sorted by expert so each active expert's
+ * weights are read once: start[e]..start[e+1] are expert e's pairs, pair_tok / pair_w their token and weight,
+ * inv[t*K + j] where pair (t, j) went, active[0..n_active) the experts used (ascending). One token: router_decode;
+ * n > 1: route_many_topk, route_many_scan, route_many_scatter (below). */
 /* One token's routing, by one warp: sigmoid (optional tanh softcap) of the logits in place, top-k of
  * score + correction bias (ties to the lower id), weights = the unbiased scores renormalised. */
 __device__ void route_token(float *lg, const float *bias, int E, int K, float softcap, int *idx, float *wt) {
@@ -1526,44 +1528,6 @@ __device__ void route_token(float *lg, const float *bias, int E, int K, float so
     }
     __syncwarp();
     if (lane < K) wt[lane] /= sum;
-}
-
-__global__ void route_plan(float *logits, const float *bias, int n, int E, int K, float softcap, int *topk_idx,
-                           float *topk_w, int *start, int *pair_tok, float *pair_w, int *inv, int *active,
-                           int *n_active) {
-    extern __shared__ int cnt[];          /* [E] counts, then [E] fill */
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
-    for (int t = warp; t < n; t += nw)
-        route_token(logits + (size_t)t * E, bias, E, K, softcap, topk_idx + (size_t)t * K, topk_w + (size_t)t * K);
-    for (int e = threadIdx.x; e < 2 * E; e += blockDim.x) cnt[e] = 0;
-    __syncthreads();
-    int P = n * K;
-    for (int p = threadIdx.x; p < P; p += blockDim.x) atomicAdd(&cnt[topk_idx[p]], 1);
-    __syncthreads();
-    if (warp == 0) {                      /* exclusive scan of the counts, and the active list, by one warp */
-        int per = (E + 31) / 32, e0 = lane * per, e1 = min(E, e0 + per), s = 0, a = 0;
-        for (int e = e0; e < e1; e++) { s += cnt[e]; a += cnt[e] > 0; }
-        int si = s, ai = a;
-        for (int o = 1; o < 32; o <<= 1) {
-            int vs = __shfl_up_sync(0xffffffffu, si, o), va = __shfl_up_sync(0xffffffffu, ai, o);
-            if (lane >= o) { si += vs; ai += va; }
-        }
-        s = si - s;
-        a = ai - a;
-        for (int e = e0; e < e1; e++) {
-            start[e] = s;
-            if (cnt[e]) active[a++] = e;
-            s += cnt[e];
-        }
-        if (lane == 31) { start[E] = si; *n_active = ai; }
-    }
-    __syncthreads();
-    for (int p = threadIdx.x; p < P; p += blockDim.x) {
-        int e = topk_idx[p], k = start[e] + atomicAdd(&cnt[E + e], 1);
-        pair_tok[k] = p / K;
-        pair_w[k] = topk_w[p];
-        inv[p] = k;
-    }
 }
 
 /* One token's routing by one block (router_decode's last block): one thread per expert, its rank among score + bias
@@ -1615,7 +1579,7 @@ __device__ void decode_route(const float *logits, const float *bias, int E, int 
     __syncthreads();
 }
 
-/* Decode (one token): the router matvec and route_plan's work in one launch. Every block computes 2 logits (128
+/* Decode (one token): the router matvec and the routing plan in one launch. Every block computes 2 logits (128
  * blocks: 1 MB of router weights wants many SMs pulling); the last block to finish (a counter in device memory,
  * reset by that block) picks the top-k (decode_route; H <= 2048 * NCH). The plan is then trivial: one token, K pairs,
  * each expert once, sorted by id (start[] and pair_tok[] for the general gate/up kernel). */
@@ -1745,238 +1709,81 @@ __global__ void __launch_bounds__(256) moe_gate_up(WPtr experts_gu, int I, WPtr 
 }
 
 /* Expert down projections for n > 1: y_pair[k] = down_e . h_pair[k] per pair, ys[t] = always_down . hs[t].
- * One warp per output row, every pair of the expert. moe_combine adds them up. */
-template <typename W>
+ * A warp owns RPW output rows of one expert, every pair of it: each lane loads its chunks of the RPW rows together and
+ * reads each token's h values once for all of them. moe_combine adds the outputs up. With one row a warp (8 KB a
+ * block at I = 512, 33,000 blocks of a few dependent round trips each) the down projections of a 16-token
+ * verification streamed ~1.8 TB/s where gate/up (64 KB a block) streamed ~2.9 (dev/gpu_notes.md, round 10). */
+template <typename W, int RPW>
 __global__ void __launch_bounds__(256) moe_down(WPtr experts_down, int I, WPtr always_down, int S, int H,
                                                 int n, const int *start, const int *active, const int *n_active,
                                                 int max_active, const float *h_pair, const float *hs,
                                                 float *y_pair, float *ys) {
-    constexpr int CH = Fmt<W>::CH, STEP = 32 * CH;
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nbH = (H + 7) / 8;
-    int b = blockIdx.x, j, cnt, hid;
-    WPtr w;
+    constexpr int CH = Fmt<W>::CH, STEP = 32 * CH, TT = 4, RT = RPW * TT;   /* sums a lane keeps: [row][token] */
+    static_assert(RT <= 32, "RPW * 4 sums a warp");
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nbH = (H + 8 * RPW - 1) / (8 * RPW);
+    int b = blockIdx.x, j0, cnt, hid;
+    size_t row0 = 0;
+    WPtr base;
     const float *hin;
     float *out;
     if (b < max_active * nbH) {
         int a = b / nbH;
         if (a >= *n_active) return;
         int e = active[a], first = start[e];
-        j = (b % nbH) * 8 + warp;
+        j0 = ((b % nbH) * 8 + warp) * RPW;
         hid = I;
-        w = wrow<W>(experts_down, (size_t)e * H + j, I);
+        base = experts_down;
+        row0 = (size_t)e * H;
         cnt = start[e + 1] - first;
         hin = h_pair + (size_t)first * I;
         out = y_pair + (size_t)first * H;
     } else {
-        j = (b - max_active * nbH) * 8 + warp;
+        j0 = ((b - max_active * nbH) * 8 + warp) * RPW;
         hid = S;
-        w = wrow<W>(always_down, j, S);
+        base = always_down;
         cnt = n;
         hin = hs;
         out = ys;
     }
-    if (j >= H) return;
-    for (int t0 = 0; t0 < cnt; t0 += 4) {
-        float acc[4] = {};
-#pragma unroll 4
+    if (j0 >= H) return;
+    WPtr w[RPW];
+#pragma unroll
+    for (int r = 0; r < RPW; r++) w[r] = wrow<W>(base, row0 + min(j0 + r, H - 1), hid);   /* past H: row H - 1 again */
+    for (int t0 = 0; t0 < cnt; t0 += TT) {
+        float acc[RT] = {};
+#pragma unroll 2
         for (int k = lane * CH; k < hid; k += STEP) {
-            typename Fmt<W>::Chunk c = wload<W>(w, k);
-            float part[4] = {};                     /* quantized: this chunk's sums, before its scale */
+            typename Fmt<W>::Chunk c[RPW];
+#pragma unroll
+            for (int r = 0; r < RPW; r++) c[r] = wload<W>(w[r], k);
+            float part[RT] = {};                    /* quantized: this chunk's sums, before its scales */
 #pragma unroll
             for (int bb = 0; bb < CH / 8; bb++) {
                 if (k + 8 * bb >= hid) break;
                 float w8[8], x8[8];
-                wvals8<W>(c, bb, w8);
 #pragma unroll
-                for (int tt = 0; tt < 4; tt++)
-                    if (t0 + tt < cnt) {
-                        load_x8(hin + (size_t)(t0 + tt) * hid + k + 8 * bb, x8);
-                        if constexpr (is_q<W>) part[tt] += dot8(w8, x8);
-                        else acc[tt] += dot8(w8, x8);
+                for (int tt = 0; tt < TT; tt++) {
+                    if (t0 + tt >= cnt) break;
+                    load_x8(hin + (size_t)(t0 + tt) * hid + k + 8 * bb, x8);
+#pragma unroll
+                    for (int r = 0; r < RPW; r++) {
+                        wvals8<W>(c[r], bb, w8);
+                        if constexpr (is_q<W>) part[r * TT + tt] += dot8(w8, x8);
+                        else acc[r * TT + tt] += dot8(w8, x8);
                     }
-            }
-            if constexpr (is_q<W>) {
-                float sc = wscale<W>(c);
-#pragma unroll
-                for (int tt = 0; tt < 4; tt++) acc[tt] += sc * part[tt];
-            }
-        }
-#pragma unroll
-        for (int tt = 0; tt < 4; tt++) {
-            float s = warp_sum(acc[tt]);
-            if (lane == 0 && t0 + tt < cnt) out[(size_t)(t0 + tt) * H + j] = s;
-        }
-    }
-}
-
-/* The same two steps by column slices (bf16 / f32; H, I and S multiples of 8 and at most 2048), which the 16-token
- * verification takes. A block owns U units (gate/up) or rows (down) of one matrix and walks them R at a time (a
- * step: 32 KB); each thread holds the same 8 columns of the step's rows, and the next step's weights are loaded
- * while the current one is summed (two register buffers), so a block keeps 32-64 KB in flight from start to end.
- * The matrix's tokens pass over each step TT at a time: per token a thread needs only its 8 values of x, kept in
- * registers across steps when the matrix has at most TT tokens (a routed expert mostly has one or two). The R x TT
- * sums go over the warp by halving exchanges (warp_reduce_rows), then over the warps (shared memory, double-buffered:
- * one barrier a pass). A first version with one step a block (16,000 blocks of ~6 dependent round trips each) made
- * the verification 1.6x slower than the warp-per-row kernels above (dev/gpu_notes.md, round 10). */
-template <typename W, int R, int TT, int U>
-__global__ void __launch_bounds__(256, 2) moe_gate_up_cols_n(WPtr experts_gu, int I, WPtr always_gu, int S, int H,
-                                                             const float *xb, int n, const int *start,
-                                                             const int *pair_tok, const int *active,
-                                                             const int *n_active, int max_active, float *h_pair,
-                                                             float *hs) {
-    static_assert(!is_q<W> && 2 * R * TT <= 32 && U % (2 * R) == 0, "bf16 / f32; 2 R TT sums a warp; steps in pairs");
-    using Chunk = typename Fmt<W>::Chunk;
-    constexpr int RT = 2 * R * TT, NST = U / R;    /* sums a thread keeps ([tt][gate j | up j]); steps a block */
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, k = tid * 8, nbU = (I + U - 1) / U;
-    const int b = blockIdx.x;
-    WPtr base;
-    size_t row0 = 0;
-    int hid, i0, cnt;
-    const int *toks = NULL;                          /* the expert's tokens (NULL: all n, the always-on matrix) */
-    float *out;
-    if (b < max_active * nbU) {
-        const int a = b / nbU;
-        if (a >= *n_active) return;
-        const int e = active[a], first = start[e];
-        i0 = (b % nbU) * U; hid = I; base = experts_gu; row0 = (size_t)e * 2 * I;
-        cnt = start[e + 1] - first; toks = pair_tok + first; out = h_pair + (size_t)first * I;
-    } else {
-        i0 = (b - max_active * nbU) * U; hid = S; base = always_gu; cnt = n; out = hs;
-    }
-    if (i0 >= hid) return;                          /* block-uniform */
-    const bool mine = k < H;
-    auto load = [&](Chunk (&c)[2 * R], int st) {    /* step st's gate rows ([j]) and up rows ([R + j]) */
-        if (mine && i0 + st * R < hid)
-#pragma unroll
-            for (int j = 0; j < R; j++) {
-                const int i = min(i0 + st * R + j, hid - 1);
-                c[j] = wload<W>(wrow<W>(base, row0 + i, H), k);
-                c[R + j] = wload<W>(wrow<W>(base, row0 + hid + i, H), k);
-            }
-    };
-    float xv[TT][8];
-    auto load_x = [&](int t0) {
-#pragma unroll
-        for (int tt = 0; tt < TT; tt++)
-            if (mine && t0 + tt < cnt) load_x8(xb + (size_t)(toks ? toks[t0 + tt] : t0 + tt) * H + k, xv[tt]);
-            else for (int i = 0; i < 8; i++) xv[tt][i] = 0.0f;
-    };
-    __shared__ float red[2][8][RT];
-    int par = 0;
-    auto step = [&](const Chunk (&c)[2 * R], int st) {
-        const int u0 = i0 + st * R;
-        if (u0 >= hid) return;                      /* block-uniform */
-        for (int t0 = 0; t0 < cnt; t0 += TT) {
-            if (cnt > TT) load_x(t0);
-            float acc[RT] = {};
-            if (mine)
-#pragma unroll
-                for (int tt = 0; tt < TT; tt++)
-                    chunk_dot<W, 2 * R>(c, 8, [&](int, float f[8]) { for (int i = 0; i < 8; i++) f[i] = xv[tt][i]; },
-                                        &acc[tt * 2 * R]);
-            const float v = warp_reduce_rows<RT>(acc, lane);
-            if (lane % (32 / RT) == 0) red[par][warp][lane / (32 / RT)] = v;
-            __syncthreads();
-            if (tid < R * TT) {
-                const int tt = tid / R, j = tid % R;
-                if (t0 + tt < cnt && u0 + j < hid) {
-                    float gs = 0.0f, us = 0.0f;
-                    for (int w = 0; w < 8; w++) { gs += red[par][w][tt * 2 * R + j]; us += red[par][w][tt * 2 * R + R + j]; }
-                    out[(size_t)(t0 + tt) * hid + u0 + j] = silu(gs) * us;
                 }
             }
-            par ^= 1;
-        }
-    };
-    Chunk ca[2 * R], cb[2 * R];
-    load(ca, 0);
-    if (cnt <= TT) load_x(0);
-    for (int st = 0; st < NST; st += 2) {           /* load one buffer while the other is summed */
-        load(cb, st + 1);
-        step(ca, st);
-        if (st + 2 < NST) load(ca, st + 2);
-        step(cb, st + 1);
-    }
-}
-
-/* down: a step is R rows of each column subgroup (a row of I = 512 is 64 chunks: 4 subgroups of 64 threads, 32 rows a
- * step); a block owns U steps' rows of one matrix */
-template <typename W, int R, int TT, int U>
-__global__ void __launch_bounds__(256, 2) moe_down_cols_n(WPtr experts_down, int I, WPtr always_down, int S, int H,
-                                                          int n, const int *start, const int *active,
-                                                          const int *n_active, int max_active, const float *h_pair,
-                                                          const float *hs, float *y_pair, float *ys) {
-    static_assert(!is_q<W> && R * TT <= 32 && U % 2 == 0, "bf16 / f32; R TT sums a warp; steps in pairs");
-    using Chunk = typename Fmt<W>::Chunk;
-    constexpr int RT = R * TT;                      /* [tt][row j] */
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, b = blockIdx.x;
-    const int subI = col_subgroups(I / 8), nbI = (H + subI * R * U - 1) / (subI * R * U);
-    WPtr base;
-    size_t row0 = 0;
-    int hid, sub, j0, cnt;
-    const float *hin;
-    float *out;
-    if (b < max_active * nbI) {
-        const int a = b / nbI;
-        if (a >= *n_active) return;
-        const int e = active[a], first = start[e];
-        hid = I; sub = subI; j0 = (b % nbI) * subI * R * U; base = experts_down; row0 = (size_t)e * H;
-        cnt = start[e + 1] - first; hin = h_pair + (size_t)first * I; out = y_pair + (size_t)first * H;
-    } else {
-        hid = S; sub = S ? col_subgroups(S / 8) : 1; j0 = (b - max_active * nbI) * sub * R * U; base = always_down;
-        cnt = n; hin = hs; out = ys;
-    }
-    if (j0 >= H) return;                            /* block-uniform */
-    const int tpg = 256 / sub, sg = tid / tpg, k = (tid % tpg) * 8, SR = sub * R;   /* SR: rows a step */
-    const bool mine = k < hid;
-    auto load = [&](Chunk (&c)[R], int st) {
-        const int r0 = j0 + st * SR + sg * R;
-        if (mine && j0 + st * SR < H)
+            if constexpr (is_q<W>)
 #pragma unroll
-            for (int j = 0; j < R; j++) c[j] = wload<W>(wrow<W>(base, row0 + min(r0 + j, H - 1), hid), k);
-    };
-    float hv[TT][8];
-    auto load_h = [&](int t0) {
+                for (int r = 0; r < RPW; r++) {
+                    const float sc = wscale<W>(c[r]);
 #pragma unroll
-        for (int tt = 0; tt < TT; tt++)
-            if (mine && t0 + tt < cnt) load_x8(hin + (size_t)(t0 + tt) * hid + k, hv[tt]);
-            else for (int i = 0; i < 8; i++) hv[tt][i] = 0.0f;
-    };
-    __shared__ float red[2][8][RT];
-    int par = 0;
-    auto step = [&](const Chunk (&c)[R], int st) {
-        const int s0 = j0 + st * SR;
-        if (s0 >= H) return;                        /* block-uniform */
-        for (int t0 = 0; t0 < cnt; t0 += TT) {
-            if (cnt > TT) load_h(t0);
-            float acc[RT] = {};
-            if (mine)
-#pragma unroll
-                for (int tt = 0; tt < TT; tt++)
-                    chunk_dot<W, R>(c, 8, [&](int, float f[8]) { for (int i = 0; i < 8; i++) f[i] = hv[tt][i]; },
-                                    &acc[tt * R]);
-            const float v = warp_reduce_rows<RT>(acc, lane);
-            if (lane % (32 / RT) == 0) red[par][warp][lane / (32 / RT)] = v;
-            __syncthreads();
-            if (tid < sub * RT) {                   /* subgroup g's sum over its warps */
-                const int wpg = 8 / sub, g = tid / RT, q = tid % RT, tt = q / R, row = s0 + g * R + q % R;
-                if (t0 + tt < cnt && row < H) {
-                    float s = 0.0f;
-                    for (int i = 0; i < wpg; i++) s += red[par][g * wpg + i][q];
-                    out[(size_t)(t0 + tt) * H + row] = s;
+                    for (int tt = 0; tt < TT; tt++) acc[r * TT + tt] += sc * part[r * TT + tt];
                 }
-            }
-            par ^= 1;
         }
-    };
-    Chunk ca[R], cb[R];
-    load(ca, 0);
-    if (cnt <= TT) load_h(0);
-    for (int st = 0; st < U; st += 2) {
-        load(cb, st + 1);
-        step(ca, st);
-        if (st + 2 < U) load(ca, st + 2);
-        step(cb, st + 1);
+        const float v = warp_reduce_rows<RT>(acc, lane);   /* lane holds sum i = lane / (32 / RT) */
+        const int i = lane / (32 / RT), r = i / TT, tt = i % TT;
+        if (lane % (32 / RT) == 0 && j0 + r < H && t0 + tt < cnt) out[(size_t)(t0 + tt) * H + j0 + r] = v;
     }
 }
 
@@ -2689,7 +2496,6 @@ struct GpuModel {
     int dup, nlaunch;        /* LAGUNA_DUP=k: the k-th decode launch of every layer enqueued twice (a timing hook) */
     int down_warp;           /* LAGUNA_DOWN_WARP=1: decode's down projections by moe_down_decode (q8 / q4's kernel) */
     int split_cols;          /* o_proj by column slices over a cluster (LAGUNA_NO_SPLIT_COLS=1: the block-rows kernel) */
-    int few_warp;            /* LAGUNA_FEW_WARP=1: verification's experts by the warp-per-row kernels (q8 / q4's) */
     /* LAGUNA_PROF=1 (a timing hook, dev/bench_gpu): forwards of 2..64 tokens (verification) record an event after
      * each step; the time between events is summed per step name and printed by gpu_free */
     int prof, prof_on, prof_n, prof_cap, prof_calls, prof_nstep;
@@ -3006,7 +2812,6 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
     g->moe_general = getenv("LAGUNA_MOE_GENERAL") != NULL;     /* so the tests reach that path at small shapes */
     g->prof = getenv("LAGUNA_PROF") != NULL;
     g->split_cols = getenv("LAGUNA_NO_SPLIT_COLS") == NULL;
-    g->few_warp = getenv("LAGUNA_FEW_WARP") != NULL;
     g->down_warp = getenv("LAGUNA_DOWN_WARP") != NULL;     /* so the tests reach that path in bf16 / f32 */
     int D = c->head_dim, H = c->dim, KVD = c->kv_dim, T = max_tokens, E = c->n_experts, K = c->n_experts_active;
     /* formats: the matmul weights all quantized alike (q8 or q4) or none of them; the embedding (and with it a tied
@@ -3342,9 +3147,10 @@ static void matvec(GpuModel *g, float *out, const void *w, int rows, int in, con
                         x, norm_w, g->c.norm_eps, xb_out, bias, accumulate)
     /* bf16 / f32 with in <= 2048 (q/k/v/g, lm_head): column slices, 8 rows a subgroup (matvec_cols). q8 / q4 with
      * in <= 2048: a warp per RG rows (Fmt), 2 steps per warp (x staged once per 16 * RG rows), 4 for lm_head-sized
-     * matrices. Wider inputs (o_proj): the block-rows kernel. Measured on the H200 in the decode graph (dev/gpu_notes.md,
-     * rounds 2, 5 and 9): bf16 matvec_warp 317 tok/s with 2 steps per warp, 311 with 4, 292 with 1, 309 with the
-     * block-rows kernel, which wins for the 8192-wide o_proj (column slices there, 4 chunks a thread: 395 -> 376); for a
+     * matrices. Wider inputs (o_proj): bf16 / f32 by column slices of 2048 over a cluster (sm_90, up to 8 slices), else
+     * the block-rows kernel. Measured on the H200 in the decode graph (dev/gpu_notes.md, rounds 2, 5, 9 and 10): bf16
+     * matvec_warp 317 tok/s with 2 steps per warp, 311 with 4, 292 with 1, 309 with the block-rows kernel; o_proj by
+     * the block-rows kernel 411.2, by a cluster of column slices 412.7 (4 chunks a thread instead: 395 -> 376); for a
      * quantized lm_head (rows >= 32768) 4 steps were +0.6% (q4) and +0.9% (q8) over 2 */
 #define MVW(R) launch(g, matvec_warp<W, 64 / CH, R>, dim3((rows + 8 * R * RG - 1) / (8 * R * RG)), dim3(256), 0, out, m, \
                       rows, in, x, norm_w, g->c.norm_eps, xb_out, bias, accumulate)
@@ -3556,32 +3362,14 @@ static void moe_many(GpuModel *g, int l, int n) {
     LAUNCH_CHECK();
     prof_mark(g, "router");
     int max_active = P < E ? P : E;
-    const bool cols = !q && H % 8 == 0 && I % 8 == 0 && S % 8 == 0 && H <= 2048 && I <= 2048 && S <= 2048 &&
-                      !g->few_warp;
-    if (P <= 512 && cols) {
-        /* a few tokens (verification), bf16 / f32: by column slices, each active expert's rows read once */
-        if constexpr (!is_q<W>) {
-        constexpr int U = 32, UD = 8;               /* units a gate/up block; steps a down block */
-        moe_gate_up_cols_n<W, 4, 2, U><<<max_active * ((I + U - 1) / U) + (S + U - 1) / U, 256, 0, g->stream>>>(
-            WPtr(L->experts_gate_up), I, WPtr(L->gate_up), S, H, g->xb, n, g->start, g->pair_tok, g->active,
-            g->n_active, max_active, g->h_pair, g->hs);
-        LAUNCH_CHECK();
-        prof_mark(g, "experts gate/up");
-        const int rbI = 8 * UD * col_subgroups(I / 8), rbS = 8 * UD * (S ? col_subgroups(S / 8) : 1);
-        moe_down_cols_n<W, 8, 2, UD><<<max_active * ((H + rbI - 1) / rbI) + (H + rbS - 1) / rbS, 256, 0, g->stream>>>(
-            WPtr(L->experts_down), I, WPtr(L->down), S, H, n, g->start, g->active, g->n_active, max_active, g->h_pair,
-            g->hs, g->y_pair, g->ys);
-        LAUNCH_CHECK();
-        prof_mark(g, "experts down");
-        }
-    } else if (P <= 512) {
-        /* a few tokens (verification), q8 / q4: one launch over the active experts' rows, each read once */
+    if (P <= 512) {
+        /* a few tokens (verification): one launch over the active experts' rows, each read once */
         moe_gate_up<W><<<max_active * ((I + 7) / 8) + (S + 7) / 8, 256, 0, g->stream>>>(
             wmat(DT, L->experts_gate_up, (size_t)E * 2 * I, H), I, wmat(DT, L->gate_up, 2 * (size_t)S, H), S, H, g->xb, n,
             g->start, g->pair_tok, g->active, g->n_active, max_active, g->h_pair, g->hs);
         LAUNCH_CHECK();
         prof_mark(g, "experts gate/up");
-        moe_down<W><<<max_active * ((H + 7) / 8) + (H + 7) / 8, 256, 0, g->stream>>>(
+        moe_down<W, 4><<<max_active * ((H + 31) / 32) + (H + 31) / 32, 256, 0, g->stream>>>(
             wmat(DT, L->experts_down, (size_t)E * H, I), I, wmat(DT, L->down, H, S), S, H, n, g->start, g->active,
             g->n_active, max_active, g->h_pair, g->hs, g->y_pair, g->ys);
         LAUNCH_CHECK();

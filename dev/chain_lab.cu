@@ -225,11 +225,11 @@ static void enqueue(int kind, int G, int pdl, int i, const uint4 *w, float *xa, 
                                       (const float *)mv_norm, 1e-6f, (float *)NULL, (const float *)NULL, 0));
         break;
     case K_MVC16:
-        CUDA_CHECK(cudaLaunchKernelEx(&cfg, matvec_cols<bf16, 16>, mv_out, WPtr(w + off), G * 16, XN, x,
+        CUDA_CHECK(cudaLaunchKernelEx(&cfg, matvec_cols<bf16, 16, false>, mv_out, WPtr(w + off), G * 16, XN, x,
                                       (const float *)mv_norm, 1e-6f, (float *)NULL, (const float *)NULL, 0));
         break;
     case K_MVC8:
-        CUDA_CHECK(cudaLaunchKernelEx(&cfg, matvec_cols<bf16, 8>, mv_out, WPtr(w + off), G * 8, XN, x,
+        CUDA_CHECK(cudaLaunchKernelEx(&cfg, matvec_cols<bf16, 8, false>, mv_out, WPtr(w + off), G * 8, XN, x,
                                       (const float *)mv_norm, 1e-6f, (float *)NULL, (const float *)NULL, 0));
         break;
     case K_MVNN:
@@ -305,8 +305,8 @@ static void check_cols(uint4 *w, float *xa, cudaStream_t st) {
     float *o[3];
     for (int i = 0; i < 3; i++) CUDA_CHECK(cudaMalloc(&o[i], rows * sizeof(float)));
     matvec_warp<bf16, 8, 2><<<(rows + 15) / 16, 256, 0, st>>>(o[0], WPtr(w), rows, XN, xa, mv_norm, 1e-6f, NULL, NULL, 0);
-    matvec_cols<bf16, 16><<<(rows + 15) / 16, 256, 0, st>>>(o[1], WPtr(w), rows, XN, xa, mv_norm, 1e-6f, NULL, NULL, 0);
-    matvec_cols<bf16, 8><<<(rows + 7) / 8, 256, 0, st>>>(o[2], WPtr(w), rows, XN, xa, mv_norm, 1e-6f, NULL, NULL, 0);
+    matvec_cols<bf16, 16, false><<<(rows + 15) / 16, 256, 0, st>>>(o[1], WPtr(w), rows, XN, xa, mv_norm, 1e-6f, NULL, NULL, 0);
+    matvec_cols<bf16, 8, false><<<(rows + 7) / 8, 256, 0, st>>>(o[2], WPtr(w), rows, XN, xa, mv_norm, 1e-6f, NULL, NULL, 0);
     CUDA_CHECK(cudaStreamSynchronize(st));
     std::vector<float> h[3];
     for (int i = 0; i < 3; i++) {

@@ -16,6 +16,46 @@
 #include <algorithm>
 #include <vector>
 
+/* the one-block routing laguna.cu had before route_many_* (kept here as the lab's reference): route_token per token,
+ * then counts, one scan by one warp and an atomic fill (so the order of pairs within an expert is not fixed) */
+__global__ void route_plan(float *logits, const float *bias, int n, int E, int K, float softcap, int *topk_idx,
+                           float *topk_w, int *start, int *pair_tok, float *pair_w, int *inv, int *active,
+                           int *n_active) {
+    extern __shared__ int cnt[];          /* [E] counts, then [E] fill */
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    for (int t = warp; t < n; t += nw)
+        route_token(logits + (size_t)t * E, bias, E, K, softcap, topk_idx + (size_t)t * K, topk_w + (size_t)t * K);
+    for (int e = threadIdx.x; e < 2 * E; e += blockDim.x) cnt[e] = 0;
+    __syncthreads();
+    int P = n * K;
+    for (int p = threadIdx.x; p < P; p += blockDim.x) atomicAdd(&cnt[topk_idx[p]], 1);
+    __syncthreads();
+    if (warp == 0) {                      /* exclusive scan of the counts, and the active list, by one warp */
+        int per = (E + 31) / 32, e0 = lane * per, e1 = min(E, e0 + per), s = 0, a = 0;
+        for (int e = e0; e < e1; e++) { s += cnt[e]; a += cnt[e] > 0; }
+        int si = s, ai = a;
+        for (int o = 1; o < 32; o <<= 1) {
+            int vs = __shfl_up_sync(0xffffffffu, si, o), va = __shfl_up_sync(0xffffffffu, ai, o);
+            if (lane >= o) { si += vs; ai += va; }
+        }
+        s = si - s;
+        a = ai - a;
+        for (int e = e0; e < e1; e++) {
+            start[e] = s;
+            if (cnt[e]) active[a++] = e;
+            s += cnt[e];
+        }
+        if (lane == 31) { start[E] = si; *n_active = ai; }
+    }
+    __syncthreads();
+    for (int p = threadIdx.x; p < P; p += blockDim.x) {
+        int e = topk_idx[p], k = start[e] + atomicAdd(&cnt[E + e], 1);
+        pair_tok[k] = p / K;
+        pair_w[k] = topk_w[p];
+        inv[p] = k;
+    }
+}
+
 static float bf2f(bf16 v) { uint16_t b; memcpy(&b, &v, 2); uint32_t u = (uint32_t)b << 16; float f; memcpy(&f, &u, 4); return f; }
 static float round_bf(float x) { return bf2f(__float2bfloat16(x)); }
 

@@ -214,12 +214,13 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("hidden", [256, 512, 1024])
 def test_gpu_column_slice_layouts(laguna_gpu, hidden, tmp_path):
-    """The bf16 / f32 column-slice kernels at widths the fixtures (hidden 64) never reach: the decode matvec
-    (matvec_cols) splits a block into 256 / (hidden / 8) subgroups of whole warps when a row has 32-128 chunks of 8
-    (hidden 256, 512, 1024), and rows wider than 2048 (o_proj) over a cluster of column slices; the verification's
-    expert kernels (moe_gate_up_cols_n / moe_down_cols_n) make subgroups of the experts' rows. A random f32
+    """The bf16 / f32 decode kernels at widths the fixtures (hidden 64) never reach: the decode matvec (matvec_cols)
+    splits a block into 256 / (hidden / 8) subgroups of whole warps when a row has 32-128 chunks of 8 (hidden 256,
+    512, 1024), and rows wider than 2048 (o_proj) over a cluster of column slices (LAGUNA_NO_SPLIT_COLS=1: the
+    block-rows kernel instead); the down projections by column slices see experts of 128-512 columns. A random f32
     checkpoint at each width, saved with save_pretrained, against transformers in fp32: the decode kernels token by
-    token (--chunk 1), 16 tokens a forward (--chunk 16: verification's shape) and the one-pass forward."""
+    token (--chunk 1), 16 tokens a forward (--chunk 16: verification's shape, the few-token expert kernels) and the
+    one-pass forward."""
     sys.path.insert(0, os.path.join(ROOT, "test"))
     import torch
     import make_fixtures as mf
@@ -236,9 +237,11 @@ def test_gpu_column_slice_layouts(laguna_gpu, hidden, tmp_path):
     run([sys.executable, os.path.join(ROOT, "export.py"), "-q", hf, m])
     ids_file = tmp_path / "ids.txt"
     ids_file.write_text(" ".join(str(int(i)) for i in ids))
-    for label, extra in (("token by token", ("--chunk", "1")), ("16 a forward", ("--chunk", "16")),
-                         ("one pass", ())):
-        got, _ = score(laguna_gpu, m, str(ids_file), tmp_path, *extra)
+    for label, extra, env in (("token by token", ("--chunk", "1"), {}),
+                              ("token by token, o_proj by the block-rows kernel", ("--chunk", "1"),
+                               dict(LAGUNA_NO_SPLIT_COLS="1")),
+                              ("16 a forward", ("--chunk", "16"), {}), ("one pass", (), {})):
+        got, _ = score(laguna_gpu, m, str(ids_file), tmp_path, *extra, env=dict(os.environ, **env))
         d = float(np.abs(got - ref).max())
         print(f"\n[gpu] hidden {hidden} ({256 // (hidden // 8)} subgroups), {label}: max |GPU - transformers| = "
               f"{d:.3g} (bar {TOL_F32})")
