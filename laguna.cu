@@ -434,8 +434,9 @@ __global__ void embed_kernel(float *x, WPtr embed, const int *tokens, int H) {
     }
 }
 
-/* out[t] = w * (x[t] / sqrt(mean(x[t]^2) + eps)); one block per row */
-__global__ void rmsnorm_kernel(float *out, const float *x, int ldx, const float *w, int H, float eps) {
+/* out[t] = w * (x[t] / sqrt(mean(x[t]^2) + eps)); one block per row. out16 (if not NULL) gets a bf16 copy: the
+ * GEMM input of bf16 files, so the GEMM that follows needs no conversion launch (norm_rows) */
+__global__ void rmsnorm_kernel(float *out, const float *x, int ldx, const float *w, int H, float eps, bf16 *out16) {
     TRACE_BLOCK();
     griddep_wait();
     griddep_launch();
@@ -445,7 +446,11 @@ __global__ void rmsnorm_kernel(float *out, const float *x, int ldx, const float 
     for (int i = threadIdx.x; i < H; i += blockDim.x) ss += xt[i] * xt[i];
     ss = block_sum(ss);
     float inv = 1.0f / sqrtf(ss / H + eps);
-    for (int i = threadIdx.x; i < H; i += blockDim.x) out[(size_t)t * H + i] = w[i] * (xt[i] * inv);
+    for (int i = threadIdx.x; i < H; i += blockDim.x) {
+        const float v = w[i] * (xt[i] * inv);
+        out[(size_t)t * H + i] = v;
+        if (out16) out16[(size_t)t * H + i] = __float2bfloat16(v);
+    }
 }
 
 /* Decode matvec: out[r] (+)= W[r, :] . norm(x) + bias[r], for one token.
@@ -2093,17 +2098,18 @@ __global__ void moe_combine(float *x, const float *y_pair, const float *ys, cons
  *   so the sort is deterministic (same order as the CPU walks the pairs). */
 #define ROUTE_TOK 32
 
-__global__ void __launch_bounds__(256) route_many_topk(float *logits, const float *bias, int n, int E, int K,
-                                                       float softcap, int *topk_idx, float *topk_w, int *blk_cnt) {
-    extern __shared__ int cnt[];                    /* [E] */
+/* the three steps' bodies (block b's share; a block of any size for topk, >= E threads for scan, one warp for
+ * scatter); cnt / fill: E ints of shared memory */
+__device__ void route_topk_block(int b, float *logits, const float *bias, int n, int E, int K, float softcap,
+                                 int *topk_idx, float *topk_w, int *blk_cnt, int *cnt) {
     for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
-    int t0 = blockIdx.x * ROUTE_TOK, t1 = min(n, t0 + ROUTE_TOK);
+    int t0 = b * ROUTE_TOK, t1 = min(n, t0 + ROUTE_TOK);
     for (int t = t0 + (threadIdx.x >> 5); t < t1; t += blockDim.x >> 5)
         route_token(logits + (size_t)t * E, bias, E, K, softcap, topk_idx + (size_t)t * K, topk_w + (size_t)t * K);
     __syncthreads();                                /* the block's top-k (global) and the zeroed counts */
     for (int p = t0 * K + threadIdx.x; p < t1 * K; p += blockDim.x) atomicAdd(&cnt[topk_idx[p]], 1);
     __syncthreads();
-    for (int e = threadIdx.x; e < E; e += blockDim.x) blk_cnt[(size_t)blockIdx.x * E + e] = cnt[e];
+    for (int e = threadIdx.x; e < E; e += blockDim.x) blk_cnt[(size_t)b * E + e] = cnt[e];
 }
 
 /* exclusive prefix sum over the block (blockDim.x a multiple of 32); *total gets the sum */
@@ -2121,8 +2127,8 @@ __device__ int block_exclusive_scan(int v, int *total) {
     return before + incl - v;
 }
 
-__global__ void __launch_bounds__(1024) route_many_scan(int *blk_cnt, int nblk, int E, int bm, int *start,
-                                                        int *active, int *n_active, int *tile_start) {
+__device__ void route_scan_block(int *blk_cnt, int nblk, int E, int bm, int *start, int *active, int *n_active,
+                                 int *tile_start) {
     int e = threadIdx.x, cnt = 0;
     if (e < E)
         for (int b = 0; b < nblk; b++) {            /* counts -> offsets within the expert, in block order */
@@ -2143,14 +2149,13 @@ __global__ void __launch_bounds__(1024) route_many_scan(int *blk_cnt, int nblk, 
     if (e == 0) { start[E] = P; tile_start[E] = nt; *n_active = na; }
 }
 
-__global__ void __launch_bounds__(32) route_many_scatter(const int *topk_idx, const float *topk_w, int n, int E, int K,
-                                                         const int *blk_off, int *pair_tok, float *pair_w, int *inv) {
-    extern __shared__ int fill[];                   /* [E] pairs placed so far in this block, per expert */
-    int lane = threadIdx.x;
+__device__ void route_scatter_block(int b, const int *topk_idx, const float *topk_w, int n, int E, int K,
+                                    const int *blk_off, int *pair_tok, float *pair_w, int *inv, int *fill) {
+    int lane = threadIdx.x;                         /* fill: pairs placed so far in this block, per expert */
     for (int e = lane; e < E; e += 32) fill[e] = 0;
     __syncwarp();
-    const int *off = blk_off + (size_t)blockIdx.x * E;
-    int p0 = blockIdx.x * ROUTE_TOK * K, p1 = min(n, (blockIdx.x + 1) * ROUTE_TOK) * K;
+    const int *off = blk_off + (size_t)b * E;
+    int p0 = b * ROUTE_TOK * K, p1 = min(n, (b + 1) * ROUTE_TOK) * K;
     for (int base = p0; base < p1; base += 32) {
         int p = base + lane;
         int e = p < p1 ? topk_idx[p] : E + lane;    /* idle lanes: keys no expert has */
@@ -2165,6 +2170,34 @@ __global__ void __launch_bounds__(32) route_many_scatter(const int *topk_idx, co
         if (p < p1 && lane == 31 - __clz(peers)) fill[e] += __popc(peers);   /* the last peer counts them */
         __syncwarp();
     }
+}
+
+__global__ void __launch_bounds__(256) route_many_topk(float *logits, const float *bias, int n, int E, int K,
+                                                       float softcap, int *topk_idx, float *topk_w, int *blk_cnt) {
+    extern __shared__ int cnt[];                    /* [E] */
+    route_topk_block(blockIdx.x, logits, bias, n, E, K, softcap, topk_idx, topk_w, blk_cnt, cnt);
+}
+__global__ void __launch_bounds__(1024) route_many_scan(int *blk_cnt, int nblk, int E, int bm, int *start,
+                                                        int *active, int *n_active, int *tile_start) {
+    route_scan_block(blk_cnt, nblk, E, bm, start, active, n_active, tile_start);
+}
+__global__ void __launch_bounds__(32) route_many_scatter(const int *topk_idx, const float *topk_w, int n, int E, int K,
+                                                         const int *blk_off, int *pair_tok, float *pair_w, int *inv) {
+    extern __shared__ int fill[];                   /* [E] */
+    route_scatter_block(blockIdx.x, topk_idx, topk_w, n, E, K, blk_off, pair_tok, pair_w, inv, fill);
+}
+/* up to ROUTE_TOK tokens (verification): the three steps in one block of >= E threads, one launch instead of three
+ * (the block's global writes are visible to its own threads after each barrier) */
+__global__ void __launch_bounds__(1024) route_few(float *logits, const float *bias, int n, int E, int K, float softcap,
+                                                  int *topk_idx, float *topk_w, int *blk_cnt, int bm, int *start,
+                                                  int *active, int *n_active, int *tile_start, int *pair_tok,
+                                                  float *pair_w, int *inv) {
+    extern __shared__ int cnt[];                    /* [E]: counts, then the scatter's fill */
+    route_topk_block(0, logits, bias, n, E, K, softcap, topk_idx, topk_w, blk_cnt, cnt);
+    __syncthreads();
+    route_scan_block(blk_cnt, 1, E, bm, start, active, n_active, tile_start);
+    __syncthreads();
+    if (threadIdx.x < 32) route_scatter_block(0, topk_idx, topk_w, n, E, K, blk_cnt, pair_tok, pair_w, inv, cnt);
 }
 
 /* ---- grouped expert GEMM on tensor cores (bf16 weights, many pairs) ----
@@ -2495,6 +2528,7 @@ struct GpuModel {
     int pdl_now;             /* set while enqueueing a one-token forward */
     int dup, nlaunch;        /* LAGUNA_DUP=k: the k-th decode launch of every layer enqueued twice (a timing hook) */
     int down_warp;           /* LAGUNA_DOWN_WARP=1: decode's down projections by moe_down_decode (q8 / q4's kernel) */
+    int route_many;          /* LAGUNA_ROUTE_MANY=1: a few tokens' routing by the three multi-block launches too */
     int split_cols;          /* o_proj by column slices over a cluster (LAGUNA_NO_SPLIT_COLS=1: the block-rows kernel) */
     /* LAGUNA_PROF=1 (a timing hook, dev/bench_gpu): forwards of 2..64 tokens (verification) record an event after
      * each step; the time between events is summed per step name and printed by gpu_free */
@@ -2813,6 +2847,7 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
     g->prof = getenv("LAGUNA_PROF") != NULL;
     g->split_cols = getenv("LAGUNA_NO_SPLIT_COLS") == NULL;
     g->down_warp = getenv("LAGUNA_DOWN_WARP") != NULL;     /* so the tests reach that path in bf16 / f32 */
+    g->route_many = getenv("LAGUNA_ROUTE_MANY") != NULL;
     int D = c->head_dim, H = c->dim, KVD = c->kv_dim, T = max_tokens, E = c->n_experts, K = c->n_experts_active;
     /* formats: the matmul weights all quantized alike (q8 or q4) or none of them; the embedding (and with it a tied
      * lm_head) and lm_head may be quantized on their own (export.py: the embedding is q8 in q4 files too); the
@@ -3045,20 +3080,28 @@ static void dequantize(GpuModel *g, int dt, const void *w, size_t total_rows, in
 /* y[n, out] = beta * y + x[n, in] . W[out, in]^T  (cuBLAS; bf16 weights take a bf16 copy of x). A q8 / q4 W (wdt)
  * is dequantized first, to bf16 (bf16 files) or f32 (files from f32 checkpoints). */
 static void gemm(GpuModel *g, float *y, int ldy, const void *W, int out, int in, const float *x, int n, float beta,
-                 int wdt = -1) {
+                 int wdt = -1, int x_in_act16 = 0) {
     const float one = 1.0f;
-    const void *xin = x;
+    const void *xin = g->bf && x_in_act16 ? g->act16 : x;   /* x_in_act16: norm_rows left x in act16 already */
     if (is_quant(wdt)) {
         dequantize(g, wdt, W, out, in, out, 0, NULL, NULL);
         W = g->wdq;
     }
-    if (g->bf) {
+    if (g->bf && !x_in_act16) {
         convert<float, bf16><<<grid_for((size_t)n * in, 256), 256, 0, g->stream>>>((bf16 *)g->act16, x, (size_t)n * in);
         LAUNCH_CHECK();
         xin = g->act16;
     }
     CUBLAS_CHECK(cublasGemmEx(g->blas, CUBLAS_OP_T, CUBLAS_OP_N, out, n, in, &one, W, dtype_of(g), in, xin,
                               dtype_of(g), in, &beta, y, CUDA_R_32F, ldy, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
+/* the RMSNorm of n rows of x into g->xb, and for bf16 files also into g->act16 (what gemm(..., x_in_act16 = 1) reads):
+ * one launch instead of the norm and gemm's conversion */
+static void norm_rows(GpuModel *g, const float *x, const float *w, int n) {
+    const int H = g->c.dim;
+    rmsnorm_kernel<<<n, 256, 0, g->stream>>>(g->xb, x, H, w, H, g->c.norm_eps, g->bf ? (bf16 *)g->act16 : NULL);
+    LAUNCH_CHECK();
 }
 
 /* LAGUNA_PROF: mark the end of step `name` of the forward being enqueued (see GpuModel.prof) */
@@ -3296,7 +3339,7 @@ static void mlp_decode(GpuModel *g, int l) {
     } while (0)
     if (L->dense) {
         launch(g, rmsnorm_kernel, dim3(1), dim3(256), 0, g->xb, (const float *)g->x, H, (const float *)L->ffn_norm, H,
-               c->norm_eps);
+               c->norm_eps, (bf16 *)NULL);
         GATE_UP(WPtr(NULL), NULL, 0);
         launch(g, moe_down_decode<W>, dim3((H + 7) / 8), dim3(256), 0, g->x, WPtr(NULL), 0, down,
                L->hid, H, NULL, NULL, NULL, NULL, (const float *)g->mlp_act, 0.0f);
@@ -3348,18 +3391,25 @@ static void moe_many(GpuModel *g, int l, int n) {
      * down once gate/up has been read); unquantized ones are read in place */
     const char *egu = q ? (const char *)g->wdq : (const char *)L->experts_gate_up;
     const char *edn = q ? (const char *)g->wdq : (const char *)L->experts_down;
-    gemm(g, g->router_logits, E, L->router, E, H, g->xb, n, 0.0f);
+    gemm(g, g->router_logits, E, L->router, E, H, g->xb, n, 0.0f, -1, 1);   /* xb and act16: forward_gpu's norm_rows */
     /* route and sort the pairs by expert (multi-block; see route_many_topk) */
     int nblk = (n + ROUTE_TOK - 1) / ROUTE_TOK, bm = moe_bm(P, E);
-    route_many_topk<<<nblk, 256, E * sizeof(int), g->stream>>>(g->router_logits, L->expert_bias, n, E, K,
-        c->router_softcap, g->topk_idx, g->topk_w, g->blk_cnt);
-    LAUNCH_CHECK();
-    route_many_scan<<<1, (E + 31) / 32 * 32, 0, g->stream>>>(g->blk_cnt, nblk, E, bm, g->start, g->active, g->n_active,
-        g->tile_start);
-    LAUNCH_CHECK();
-    route_many_scatter<<<nblk, 32, E * sizeof(int), g->stream>>>(g->topk_idx, g->topk_w, n, E, K, g->blk_cnt,
-        g->pair_tok, g->pair_w, g->inv);
-    LAUNCH_CHECK();
+    if (nblk == 1 && !g->route_many) {               /* a few tokens: one launch */
+        route_few<<<1, E < 256 ? 256 : (E + 31) / 32 * 32, E * sizeof(int), g->stream>>>(g->router_logits,
+            L->expert_bias, n, E, K, c->router_softcap, g->topk_idx, g->topk_w, g->blk_cnt, bm, g->start, g->active,
+            g->n_active, g->tile_start, g->pair_tok, g->pair_w, g->inv);
+        LAUNCH_CHECK();
+    } else {
+        route_many_topk<<<nblk, 256, E * sizeof(int), g->stream>>>(g->router_logits, L->expert_bias, n, E, K,
+            c->router_softcap, g->topk_idx, g->topk_w, g->blk_cnt);
+        LAUNCH_CHECK();
+        route_many_scan<<<1, (E + 31) / 32 * 32, 0, g->stream>>>(g->blk_cnt, nblk, E, bm, g->start, g->active,
+            g->n_active, g->tile_start);
+        LAUNCH_CHECK();
+        route_many_scatter<<<nblk, 32, E * sizeof(int), g->stream>>>(g->topk_idx, g->topk_w, n, E, K, g->blk_cnt,
+            g->pair_tok, g->pair_w, g->inv);
+        LAUNCH_CHECK();
+    }
     prof_mark(g, "router");
     int max_active = P < E ? P : E;
     if (P <= 512) {
@@ -3487,9 +3537,8 @@ static void forward_gpu(GpuModel *g, int n, int pos, int all_logits) {
         if (n == 1) {
             matvec<W>(g, g->qkvg, L->wqkvg, L->NQ, H, g->x, L->attn_norm, NULL, L->bqkvg, 0);
         } else {
-            rmsnorm_kernel<<<n, 256, 0, g->stream>>>(g->xb, g->x, H, L->attn_norm, H, c->norm_eps);
-            LAUNCH_CHECK();
-            gemm(g, g->qkvg, L->NQ, L->wqkvg, L->NQ, H, g->xb, n, 0.0f, DT);
+            norm_rows(g, g->x, L->attn_norm, n);
+            gemm(g, g->qkvg, L->NQ, L->wqkvg, L->NQ, H, g->xb, n, 0.0f, DT, 1);
             if (L->bqkvg) {
                 add_bias_kernel<<<grid_for((size_t)n * L->NQ, 256), 256, 0, g->stream>>>(g->qkvg, L->bqkvg, n, L->NQ);
                 LAUNCH_CHECK();
@@ -3513,10 +3562,9 @@ static void forward_gpu(GpuModel *g, int n, int pos, int all_logits) {
         }
         /* ---- MLP block: dense SwiGLU or MoE ---- */
         if (n == 1) { mlp_decode<W, P>(g, l); capture_taps(g, l, n); continue; }
-        rmsnorm_kernel<<<n, 256, 0, g->stream>>>(g->xb, g->x, H, L->ffn_norm, H, c->norm_eps);
-        LAUNCH_CHECK();
+        norm_rows(g, g->x, L->ffn_norm, n);
         if (L->dense) {
-            gemm(g, g->mlp_h, 2 * L->hid, L->gate_up, 2 * L->hid, H, g->xb, n, 0.0f, DT);
+            gemm(g, g->mlp_h, 2 * L->hid, L->gate_up, 2 * L->hid, H, g->xb, n, 0.0f, DT, 1);
             swiglu_kernel<float><<<grid_for((size_t)n * L->hid, 256), 256, 0, g->stream>>>(g->mlp_act, g->mlp_h, n, L->hid);
             LAUNCH_CHECK();
             gemm(g, g->x, H, L->down, H, L->hid, g->mlp_act, n, 1.0f, DT);
@@ -3532,9 +3580,8 @@ static void forward_gpu(GpuModel *g, int n, int pos, int all_logits) {
         matvec_dt(g, g->ldt, g->logits, g->lm_head, V, H, g->x + (size_t)first * H, g->final_norm, NULL, NULL, 0);
         return;
     }
-    rmsnorm_kernel<<<rows, 256, 0, g->stream>>>(g->xb, g->x + (size_t)first * H, H, g->final_norm, H, c->norm_eps);
-    LAUNCH_CHECK();
-    gemm(g, g->logits, V, g->lm_head, V, H, g->xb, rows, 0.0f, g->ldt);
+    norm_rows(g, g->x + (size_t)first * H, g->final_norm, rows);
+    gemm(g, g->logits, V, g->lm_head, V, H, g->xb, rows, 0.0f, g->ldt, 1);
     prof_mark(g, "lm_head");
 }
 
@@ -3785,13 +3832,13 @@ extern "C" void gpu_drafter_add_context(GpuModel *g, GpuModel *target, int row0,
                                                              g->aux_norm, NT, H, c->norm_eps);
         LAUNCH_CHECK();
         gemm(g, g->ctxv, H, g->fc, H, NT * H, g->cat, k, 0.0f);
-        rmsnorm_kernel<<<k, 256, 0, g->stream>>>(g->ctxv, g->ctxv, H, g->hidden_norm, H, c->norm_eps);
+        rmsnorm_kernel<<<k, 256, 0, g->stream>>>(g->ctxv, g->ctxv, H, g->hidden_norm, H, c->norm_eps, NULL);
         LAUNCH_CHECK();
         for (int l = 0; l < c->n_layers; l++) {
             GpuLayer *L = &g->L[l];
             int type = c->layer_type[l], QD = L->nh * D;
             /* the layer's input norm, then only the k and v rows of the stacked projection, into their columns of qkvg */
-            rmsnorm_kernel<<<k, 256, 0, g->stream>>>(g->xb, g->ctxv, H, L->attn_norm, H, c->norm_eps);
+            rmsnorm_kernel<<<k, 256, 0, g->stream>>>(g->xb, g->ctxv, H, L->attn_norm, H, c->norm_eps, NULL);
             LAUNCH_CHECK();
             gemm(g, g->qkvg + QD, L->NQ, (const char *)L->wqkvg + (size_t)QD * H * dsize(g), 2 * KVD, H, g->xb, k, 0.0f);
             /* k_norm, RoPE at the absolute positions and the ring append: the q/k-norm kernel with no query heads */
