@@ -1715,9 +1715,11 @@ __global__ void __launch_bounds__(256) moe_gate_up(WPtr experts_gu, int I, WPtr 
 
 /* Expert down projections for n > 1: y_pair[k] = down_e . h_pair[k] per pair, ys[t] = always_down . hs[t].
  * A warp owns RPW output rows of one expert, every pair of it: each lane loads its chunks of the RPW rows together and
- * reads each token's h values once for all of them. moe_combine adds the outputs up. With one row a warp (8 KB a
- * block at I = 512, 33,000 blocks of a few dependent round trips each) the down projections of a 16-token
- * verification streamed ~1.8 TB/s where gate/up (64 KB a block) streamed ~2.9 (dev/gpu_notes.md, round 10). */
+ * reads each token's h values once for all of them. moe_combine adds the outputs up. With one row a warp (60
+ * registers, 4 blocks an SM of 8 KB: 32 KB in flight an SM) the down projections of a 16-token verification streamed
+ * ~1.8 TB/s where gate/up (2 blocks an SM of 32 KB in flight each) streamed ~2.9; at RPW = 4 (120 registers, 2 blocks
+ * an SM of 32 KB) the step went 4.78 -> 3.87 ms a forward and the verification 15.5 -> 14.7 ms (dev/gpu_notes.md,
+ * round 10). */
 template <typename W, int RPW>
 __global__ void __launch_bounds__(256) moe_down(WPtr experts_down, int I, WPtr always_down, int S, int H,
                                                 int n, const int *start, const int *active, const int *n_active,
@@ -2187,7 +2189,8 @@ __global__ void __launch_bounds__(32) route_many_scatter(const int *topk_idx, co
     route_scatter_block(blockIdx.x, topk_idx, topk_w, n, E, K, blk_off, pair_tok, pair_w, inv, fill);
 }
 /* up to ROUTE_TOK tokens (verification): the three steps in one block of >= E threads, one launch instead of three
- * (the block's global writes are visible to its own threads after each barrier) */
+ * (the block's global writes are visible to its own threads after each barrier). The same plan; a 16-token
+ * verification 14.40 -> 14.33 ms on the H200 (dev/gpu_notes.md, round 10). */
 __global__ void __launch_bounds__(1024) route_few(float *logits, const float *bias, int n, int E, int K, float softcap,
                                                   int *topk_idx, float *topk_w, int *blk_cnt, int bm, int *start,
                                                   int *active, int *n_active, int *tile_start, int *pair_tok,
@@ -2528,7 +2531,6 @@ struct GpuModel {
     int pdl_now;             /* set while enqueueing a one-token forward */
     int dup, nlaunch;        /* LAGUNA_DUP=k: the k-th decode launch of every layer enqueued twice (a timing hook) */
     int down_warp;           /* LAGUNA_DOWN_WARP=1: decode's down projections by moe_down_decode (q8 / q4's kernel) */
-    int route_many;          /* LAGUNA_ROUTE_MANY=1: a few tokens' routing by the three multi-block launches too */
     int split_cols;          /* o_proj by column slices over a cluster (LAGUNA_NO_SPLIT_COLS=1: the block-rows kernel) */
     /* LAGUNA_PROF=1 (a timing hook, dev/bench_gpu): forwards of 2..64 tokens (verification) record an event after
      * each step; the time between events is summed per step name and printed by gpu_free */
@@ -2847,7 +2849,6 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
     g->prof = getenv("LAGUNA_PROF") != NULL;
     g->split_cols = getenv("LAGUNA_NO_SPLIT_COLS") == NULL;
     g->down_warp = getenv("LAGUNA_DOWN_WARP") != NULL;     /* so the tests reach that path in bf16 / f32 */
-    g->route_many = getenv("LAGUNA_ROUTE_MANY") != NULL;
     int D = c->head_dim, H = c->dim, KVD = c->kv_dim, T = max_tokens, E = c->n_experts, K = c->n_experts_active;
     /* formats: the matmul weights all quantized alike (q8 or q4) or none of them; the embedding (and with it a tied
      * lm_head) and lm_head may be quantized on their own (export.py: the embedding is q8 in q4 files too); the
@@ -3097,7 +3098,8 @@ static void gemm(GpuModel *g, float *y, int ldy, const void *W, int out, int in,
 }
 
 /* the RMSNorm of n rows of x into g->xb, and for bf16 files also into g->act16 (what gemm(..., x_in_act16 = 1) reads):
- * one launch instead of the norm and gemm's conversion */
+ * one launch instead of the norm and gemm's conversion (the same bf16 values). A 16-token verification on the H200:
+ * 14.68 -> 14.40 ms (dev/gpu_notes.md, round 10). */
 static void norm_rows(GpuModel *g, const float *x, const float *w, int n) {
     const int H = g->c.dim;
     rmsnorm_kernel<<<n, 256, 0, g->stream>>>(g->xb, x, H, w, H, g->c.norm_eps, g->bf ? (bf16 *)g->act16 : NULL);
@@ -3394,7 +3396,7 @@ static void moe_many(GpuModel *g, int l, int n) {
     gemm(g, g->router_logits, E, L->router, E, H, g->xb, n, 0.0f, -1, 1);   /* xb and act16: forward_gpu's norm_rows */
     /* route and sort the pairs by expert (multi-block; see route_many_topk) */
     int nblk = (n + ROUTE_TOK - 1) / ROUTE_TOK, bm = moe_bm(P, E);
-    if (nblk == 1 && !g->route_many) {               /* a few tokens: one launch */
+    if (nblk == 1) {                                /* a few tokens: one launch */
         route_few<<<1, E < 256 ? 256 : (E + 31) / 32 * 32, E * sizeof(int), g->stream>>>(g->router_logits,
             L->expert_bias, n, E, K, c->router_softcap, g->topk_idx, g->topk_w, g->blk_cnt, bm, g->start, g->active,
             g->n_active, g->tile_start, g->pair_tok, g->pair_w, g->inv);
