@@ -723,7 +723,7 @@ __global__ void __launch_bounds__(256) matvec_cols(float *out, WPtr w, int rows,
         if (!SPLIT && norm_w) load_x8(norm_w + k, nw);
     }
     const int rb = blockIdx.x * sub * R + tid;     /* the row thread tid < sub * R writes: subgroup tid / R */
-    const float prev = (!SPLIT || writer) && accumulate && tid < sub * R && rb < rows ? out[rb] : 0.0f;   /* see matvec() */
+    const float prev = writer && accumulate && tid < sub * R && rb < rows ? out[rb] : 0.0f;   /* see matvec() */
     griddep_wait();                                /* x is the previous kernel's output */
     griddep_launch();
     float xv[CH];
@@ -1870,9 +1870,7 @@ __global__ void __launch_bounds__(256) moe_gate_up_decode(WPtr experts_gu, int I
  * gate and up rows, and so only those 8 values of xb, in registers (matvec_cols's layout). The always-on blocks come
  * first and load before the wait; each routed block, after it, learns its expert from the plan. In the decode graph
  * on the H200, bf16 at 512, in a build with o_proj and the down projections also by column slices: 366.4 tok/s with
- * moe_gate_up_decode, 375.6 with this (R = 4; R = 8: 372.1) (dev/gpu_notes.md, round 9).
- * The down projections by column slices (each thread 3 chunks of the 8 experts' and the shared expert's columns, 4
- * rows a block) were not faster: 398.0 -> 396.6 (round 9). */
+ * moe_gate_up_decode, 375.6 with this (R = 4; R = 8: 372.1) (dev/gpu_notes.md, round 9). */
 template <typename W, int R>
 __global__ void __launch_bounds__(256) moe_gate_up_cols(WPtr experts_gu, int I, WPtr always_gu, int S, int H,
                                                         const float *xb, const int *active, const int *n_active,
@@ -3199,7 +3197,7 @@ static void matvec(GpuModel *g, float *out, const void *w, int rows, int in, con
      * quantized lm_head (rows >= 32768) 4 steps were +0.6% (q4) and +0.9% (q8) over 2 */
 #define MVW(R) launch(g, matvec_warp<W, 64 / CH, R>, dim3((rows + 8 * R * RG - 1) / (8 * R * RG)), dim3(256), 0, out, m, \
                       rows, in, x, norm_w, g->c.norm_eps, xb_out, bias, accumulate)
-    int nch = (in + 256 * CH - 1) / (256 * CH);    /* chunks per thread and row in the block-rows kernel */
+    int nch = (in + 256 * CH - 1) / (256 * CH);    /* chunks a thread per row (block-rows kernel), or column slices */
     if constexpr (!is_q<W>) {                       /* bf16 / f32, in <= 2048: column slices, 8 rows a subgroup */
         if (in <= 256 * CH) {
             const int rb = 8 * col_subgroups((in + CH - 1) / CH);   /* rows a block */
@@ -3207,10 +3205,9 @@ static void matvec(GpuModel *g, float *out, const void *w, int rows, int in, con
                    g->c.norm_eps, xb_out, bias, accumulate);
             return;
         }
-        const int ns = (in + 256 * CH - 1) / (256 * CH);   /* wider rows (o_proj): a cluster of ns column slices */
-        if (g->split_cols && !norm_w && ns <= 8 && g->cc_major >= 9) {
-            g->cluster_y = ns;
-            launch(g, matvec_cols<W, 8, true>, dim3((rows + 7) / 8, ns), dim3(256), 0, out, m, rows, in, x, norm_w,
+        if (g->split_cols && !norm_w && nch <= 8 && g->cc_major >= 9) {   /* wider rows (o_proj): nch column slices */
+            g->cluster_y = nch;                         /* over a cluster */
+            launch(g, matvec_cols<W, 8, true>, dim3((rows + 7) / 8, nch), dim3(256), 0, out, m, rows, in, x, norm_w,
                    g->c.norm_eps, xb_out, bias, accumulate);
             g->cluster_y = 0;
             return;

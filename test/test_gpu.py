@@ -201,8 +201,8 @@ def test_gpu_general_moe_decode_kernel(laguna_gpu, exported, name, tmp_path):
 
 
 # hidden size -> what else differs from the fixtures' config: wide o_proj rows (20 x 128 = 2560 inputs: two column
-# slices, the second half full; 48 / 64 x 128: XS's 6144 / 8192, three and four), experts' and shared experts'
-# widths whose rows make 8, 4 or 1 column subgroups in the verification kernels (I = 256, 512, 128)
+# slices, the second half full; 48 / 64 x 128: XS's 6144 / 8192, three and four), and experts and shared experts of
+# 128-512 columns for the down projections (decode: by column slices; verification: 4 rows a warp)
 LAYOUTS = {
     256: dict(head_dim=128, num_attention_heads=20, num_attention_heads_per_layer=[20] * 4, num_key_value_heads=4,
               moe_intermediate_size=256, shared_expert_intermediate_size=512),
