@@ -301,6 +301,43 @@ template <typename W> __device__ __forceinline__ float wscale(const typename Fmt
     if constexpr (!is_q<W>) return 1.0f;
     else return __half2float(__ushort_as_half(c.s));
 }
+/* The column-slice kernels' unit: 8 consecutive weights of a row (column k, a multiple of 8) and, for q8 / q4, their
+ * group's scale (8 divides the group of 32): bf16 / f32 Fmt's 16-byte chunk; q8 8 bytes; q4 4 bytes. So a thread
+ * holds the same 8 values of x in every format. (EXPERIMENT on branch next: q8 / q4 through matvec_cols.) */
+template <typename W> struct Cols8 { typedef typename Fmt<W>::Chunk T; };
+struct Q8Cols { uint2 v; uint16_t s; };
+struct Q4Cols { uint32_t v; uint16_t s; };
+template <> struct Cols8<Q8> { typedef Q8Cols T; };
+template <> struct Cols8<Q4> { typedef Q4Cols T; };
+__device__ __forceinline__ uint32_t ld_stream4(const void *p) {
+    uint32_t r;
+    asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(r) : "l"(p));
+    return r;
+}
+template <typename W> __device__ __forceinline__ typename Cols8<W>::T load8(WPtr row, int k) {
+    if constexpr (!is_q<W>) return wload<W>(row, k);
+    else {
+        typename Cols8<W>::T c;
+        const char *p = (const char *)row.v + (size_t)k * Fmt<W>::GB / LAGUNA_QGROUP;
+        if constexpr (Fmt<W>::DT == DT_Q8) c.v = ld_stream8(p);
+        else c.v = ld_stream4(p);
+        c.s = __ldg(row.s + k / LAGUNA_QGROUP);
+        return c;
+    }
+}
+/* acc[j] += c[j] . x8 for the R rows' units (q8 / q4: times the group's scale) */
+template <typename W, int R>
+__device__ __forceinline__ void cols8_dot(const typename Cols8<W>::T *c, const float x8[8], float *acc) {
+#pragma unroll
+    for (int j = 0; j < R; j++) {
+        QChunk q = {};                             /* wvals8's layout: the values in the first word(s) */
+        if constexpr (Fmt<W>::DT == DT_Q8) { q.a.x = c[j].v.x; q.a.y = c[j].v.y; }
+        else q.a.x = c[j].v;
+        float wv[8];
+        wvals8<W>(q, 0, wv);
+        acc[j] += __half2float(__ushort_as_half(c[j].s)) * dot8(wv, x8);
+    }
+}
 /* acc[j] += c[j] . x for R chunks of R rows at the same columns: n of the chunk's CH columns lie inside the row (the
  * last chunk of a quantized row may be partial; n is a multiple of 8); x8(b, f) loads the 8 activations of sub-chunk
  * b. Quantized: the sub-chunks' sum times the group's scale. */
@@ -707,19 +744,18 @@ __global__ void __launch_bounds__(256) matvec_cols(float *out, WPtr w, int rows,
                                                    const float *norm_w, float eps, float *xb_out, const float *bias,
                                                    int accumulate) {
     TRACE_BLOCK();
-    static_assert(!is_q<W>, "q8 / q4 use matvec_warp");
-    constexpr int CH = Fmt<W>::CH;
+    constexpr int CH = 8;                          /* columns a thread (Cols8) */
     if constexpr (SPLIT) cluster_arrive_relaxed();  /* phase 0: this block has started (its shared memory exists) */
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int sub = SPLIT ? 1 : col_subgroups((in + CH - 1) / CH);
     const int sg = tid / (256 / sub), k = (SPLIT ? blockIdx.y * 256 * CH : 0) + (tid % (256 / sub)) * CH;
     const int r0 = (blockIdx.x * sub + sg) * R;    /* the subgroup's first row */
     const bool mine = k < in, writer = !SPLIT || blockIdx.y == 0;
-    typename Fmt<W>::Chunk c[R];
+    typename Cols8<W>::T c[R];
     float nw[CH];                                  /* the RMSNorm weights of this thread's columns */
     if (mine) {
 #pragma unroll
-        for (int j = 0; j < R; j++) c[j] = wload<W>(wrow<W>(w, min(r0 + j, rows - 1), in), k);
+        for (int j = 0; j < R; j++) c[j] = load8<W>(wrow<W>(w, min(r0 + j, rows - 1), in), k);
         if (!SPLIT && norm_w) load_x8(norm_w + k, nw);
     }
     const int rb = blockIdx.x * sub * R + tid;     /* the row thread tid < sub * R writes: subgroup tid / R */
@@ -737,7 +773,11 @@ __global__ void __launch_bounds__(256) matvec_cols(float *out, WPtr w, int rows,
         }
     }
     float acc[R] = {};
-    if (mine) chunk_dot<W, R>(c, in - k, [&](int, float f[8]) { for (int i = 0; i < 8; i++) f[i] = xv[i]; }, acc);
+    if constexpr (!is_q<W>) {
+        if (mine) chunk_dot<W, R>(c, in - k, [&](int, float f[8]) { for (int i = 0; i < 8; i++) f[i] = xv[i]; }, acc);
+    } else {
+        if (mine) cols8_dot<W, R>(c, xv, acc);
+    }
     __shared__ float red[8][R];
     float v = warp_reduce_rows<R>(acc, lane);
     if (lane % (32 / R) == 0) red[warp][lane / (32 / R)] = v;
@@ -1876,11 +1916,10 @@ __global__ void __launch_bounds__(256) moe_gate_up_cols(WPtr experts_gu, int I, 
                                                         const float *xb, const int *active, const int *n_active,
                                                         float *h_pair, float *hs) {
     TRACE_BLOCK();
-    static_assert(!is_q<W>, "q8 / q4 use moe_gate_up_decode");
-    constexpr int CH = Fmt<W>::CH;
+    constexpr int CH = 8;                           /* columns a thread (Cols8; q8 / q4: the experiment on branch next) */
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nbS = (S + R - 1) / R, b = blockIdx.x;
     const int k = tid * CH;                         /* this thread's columns */
-    typename Fmt<W>::Chunk c[2 * R];               /* [j]: the gate row of unit i0 + j; [R + j]: its up row */
+    typename Cols8<W>::T c[2 * R];                 /* [j]: the gate row of unit i0 + j; [R + j]: its up row */
     WPtr base;
     size_t row0 = 0;
     int hid = 0, i0 = 0;
@@ -1890,8 +1929,8 @@ __global__ void __launch_bounds__(256) moe_gate_up_cols(WPtr experts_gu, int I, 
 #pragma unroll
             for (int j = 0; j < R; j++) {
                 int i = min(i0 + j, hid - 1);       /* past the end: the last unit again */
-                c[j] = wload<W>(wrow<W>(base, row0 + i, H), k);
-                c[R + j] = wload<W>(wrow<W>(base, row0 + hid + i, H), k);
+                c[j] = load8<W>(wrow<W>(base, row0 + i, H), k);
+                c[R + j] = load8<W>(wrow<W>(base, row0 + hid + i, H), k);
             }
     };
     if (b < nbS) { i0 = b * R; base = always_gu; hid = S; dst = hs; load(); }
@@ -1913,10 +1952,12 @@ __global__ void __launch_bounds__(256) moe_gate_up_cols(WPtr experts_gu, int I, 
         float xv[CH];
 #pragma unroll
         for (int bb = 0; bb < CH / 8; bb++) load_x8(xb + k + 8 * bb, &xv[8 * bb]);
-        chunk_dot<W, 2 * R>(c, H - k, [&](int bb, float f[8]) {
+        if constexpr (!is_q<W>)
+            chunk_dot<W, 2 * R>(c, H - k, [&](int bb, float f[8]) {
 #pragma unroll
-            for (int i = 0; i < 8; i++) f[i] = xv[8 * bb + i];
-        }, acc);
+                for (int i = 0; i < 8; i++) f[i] = xv[8 * bb + i];
+            }, acc);
+        else cols8_dot<W, 2 * R>(c, xv, acc);
     }
     __shared__ float red[8][2 * R];
     float v = warp_reduce_rows<2 * R>(acc, lane);
@@ -1943,10 +1984,9 @@ __global__ void __launch_bounds__(256) moe_down_cols(float *x, WPtr experts_down
                                                      const float *pair_w, const float *h_pair, const float *hs,
                                                      float scaling) {
     TRACE_BLOCK();
-    static_assert(!is_q<W>, "q8 / q4 use moe_down_decode");
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, r0 = blockIdx.x * R;
     const int na = n_active ? *n_active : 0, cI = I / 8, nq = na * cI + S / 8;
-    typename Fmt<W>::Chunk c[NC][R];
+    typename Cols8<W>::T c[NC][R];                 /* (q8 / q4: the experiment on branch next) */
     int seg[NC], kk[NC];                            /* chunk u: its expert slot (na: the always-on matrix), column */
 #pragma unroll
     for (int u = 0; u < NC; u++) {
@@ -1957,8 +1997,8 @@ __global__ void __launch_bounds__(256) moe_down_cols(float *x, WPtr experts_down
 #pragma unroll
         for (int j = 0; j < R; j++) {
             const int r = min(r0 + j, H - 1);
-            c[u][j] = seg[u] < na ? wload<W>(wrow<W>(experts_down, (size_t)active[seg[u]] * H + r, I), kk[u])
-                                  : wload<W>(wrow<W>(always_down, r, S), kk[u]);
+            c[u][j] = seg[u] < na ? load8<W>(wrow<W>(experts_down, (size_t)active[seg[u]] * H + r, I), kk[u])
+                                  : load8<W>(wrow<W>(always_down, r, S), kk[u]);
         }
     }
     const float xj = tid < R && r0 + tid < H ? x[r0 + tid] : 0.0f;   /* the residual */
@@ -1977,7 +2017,9 @@ __global__ void __launch_bounds__(256) moe_down_cols(float *x, WPtr experts_down
     for (int u = 0; u < NC; u++) {
         if (tid + 256 * u >= nq) continue;
         float part[R] = {};
-        chunk_dot<W, R>(c[u], 8, [&](int, float f[8]) { for (int i = 0; i < 8; i++) f[i] = h[u][i]; }, part);
+        if constexpr (!is_q<W>)
+            chunk_dot<W, R>(c[u], 8, [&](int, float f[8]) { for (int i = 0; i < 8; i++) f[i] = h[u][i]; }, part);
+        else cols8_dot<W, R>(c[u], h[u], part);
 #pragma unroll
         for (int j = 0; j < R; j++) {
             if (seg[u] < na) acc[j] += wa[u] * part[j];
@@ -2529,6 +2571,7 @@ struct GpuModel {
     int pdl_now;             /* set while enqueueing a one-token forward */
     int dup, nlaunch;        /* LAGUNA_DUP=k: the k-th decode launch of every layer enqueued twice (a timing hook) */
     int down_warp;           /* LAGUNA_DOWN_WARP=1: decode's down projections by moe_down_decode (q8 / q4's kernel) */
+    int qcols;               /* EXPERIMENT (LAGUNA_QCOLS=R): q8 / q4 decode matvecs and experts by column slices */
     int split_cols;          /* o_proj by column slices over a cluster (LAGUNA_NO_SPLIT_COLS=1: the block-rows kernel) */
     /* LAGUNA_PROF=1 (a timing hook, dev/bench_gpu): forwards of 2..64 tokens (verification) record an event after
      * each step; the time between events is summed per step name and printed by gpu_free */
@@ -2847,6 +2890,7 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
     g->prof = getenv("LAGUNA_PROF") != NULL;
     g->split_cols = getenv("LAGUNA_NO_SPLIT_COLS") == NULL;
     g->down_warp = getenv("LAGUNA_DOWN_WARP") != NULL;     /* so the tests reach that path in bf16 / f32 */
+    g->qcols = getenv("LAGUNA_QCOLS") ? atoi(getenv("LAGUNA_QCOLS")) : 0;
     int D = c->head_dim, H = c->dim, KVD = c->kv_dim, T = max_tokens, E = c->n_experts, K = c->n_experts_active;
     /* formats: the matmul weights all quantized alike (q8 or q4) or none of them; the embedding (and with it a tied
      * lm_head) and lm_head may be quantized on their own (export.py: the embedding is q8 in q4 files too); the
@@ -3178,6 +3222,27 @@ static void launch(GpuModel *g, void (*kernel)(P...), dim3 grid, dim3 block, siz
     if (g->pdl_now && g->nlaunch++ == g->dup) CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, ((P)args)...));
 }
 
+/* EXPERIMENT (branch next; LAGUNA_QCOLS=R, R = 8, 16 or 32 rows a subgroup): the column-slice matvec for any format
+ * with in % 8 == 0 (q8 / q4 load 8 or 4 bytes and a scale a row: 8 columns a thread, like bf16). false: not taken. */
+template <typename W, int R>
+static bool matvec_cols_any(GpuModel *g, float *out, WPtr m, int rows, int in, const float *x, const float *norm_w,
+                            float *xb_out, const float *bias, int accumulate) {
+    if (in % 8) return false;
+    if (in <= 2048) {
+        const int rb = R * col_subgroups(in / 8);  /* rows a block */
+        launch(g, matvec_cols<W, R, false>, dim3((rows + rb - 1) / rb), dim3(256), 0, out, m, rows, in, x, norm_w,
+               g->c.norm_eps, xb_out, bias, accumulate);
+        return true;
+    }
+    const int ns = (in + 2047) / 2048;
+    if (norm_w || ns > 8 || g->cc_major < 9) return false;
+    g->cluster_y = ns;
+    launch(g, matvec_cols<W, R, true>, dim3((rows + R - 1) / R, ns), dim3(256), 0, out, m, rows, in, x, norm_w,
+           g->c.norm_eps, xb_out, bias, accumulate);
+    g->cluster_y = 0;
+    return true;
+}
+
 /* the decode matvec: 8 weight loads per thread, spread over ROWS rows x NCH chunks per row (in <= 256 * CH * NCH).
  * accumulate (out += W x: o_proj into the residual stream) reads out before the wait on the previous kernel, so out
  * must be older than that kernel's output (the residual: the previous layer's down projection, 3+ kernels back). */
@@ -3212,6 +3277,11 @@ static void matvec(GpuModel *g, float *out, const void *w, int rows, int in, con
             g->cluster_y = 0;
             return;
         }
+    }
+    if constexpr (is_q<W>) {                        /* the experiment (see matvec_cols_any) */
+        if (g->qcols == 8 && matvec_cols_any<W, 8>(g, out, m, rows, in, x, norm_w, xb_out, bias, accumulate)) return;
+        if (g->qcols == 16 && matvec_cols_any<W, 16>(g, out, m, rows, in, x, norm_w, xb_out, bias, accumulate)) return;
+        if (g->qcols == 32 && matvec_cols_any<W, 32>(g, out, m, rows, in, x, norm_w, xb_out, bias, accumulate)) return;
     }
     if (in <= 2048 && rows >= 32768 && is_q<W>) MVW(4);
     else if (in <= 2048) MVW(2);
@@ -3321,12 +3391,13 @@ static void mlp_decode(GpuModel *g, int l) {
     const WPtr egu = wmat(DT, L->experts_gate_up, (size_t)E * 2 * I, H), edn = wmat(DT, L->experts_down, (size_t)E * H, I);
     /* gate/up: bf16 / f32 by column slices (H <= 2048), q8 / q4 the warp-per-unit kernel (H <= 2048), or the general
      * one; the always-on matrix's blocks first */
-    const bool gu_cols = !is_q<W> && H <= 2048 && !g->moe_general;
+    const bool gu_cols = (!is_q<W> || (g->qcols && H % 8 == 0)) && H <= 2048 && !g->moe_general;   /* q: EXPERIMENT */
+    constexpr int RU = is_q<W> ? 8 : 4;             /* units a column-slice block */
 #define GATE_UP(EGU, NI, KA) do { \
         if (gu_cols) { \
-            if constexpr (!is_q<W>) launch(g, moe_gate_up_cols<W, 4>, dim3((L->hid + 3) / 4 + (KA) * ((I + 3) / 4)), \
-                                           dim3(256), 0, EGU, I, gate_up, L->hid, H, (const float *)g->xb, \
-                                           (const int *)g->active, (const int *)(NI), g->h_pair, (KA) ? g->hs : g->mlp_act); \
+            launch(g, moe_gate_up_cols<W, RU>, dim3((L->hid + RU - 1) / RU + (KA) * ((I + RU - 1) / RU)), dim3(256), 0, \
+                   EGU, I, gate_up, L->hid, H, (const float *)g->xb, (const int *)g->active, (const int *)(NI), \
+                   g->h_pair, (KA) ? g->hs : g->mlp_act); \
         } else if (H <= 2048 && !g->moe_general) launch(g, moe_gate_up_decode<W, 64 / Fmt<W>::CH>, \
                               dim3((L->hid + 8 * RG - 1) / (8 * RG) + (KA) * ((I + 8 * RG - 1) / (8 * RG))), dim3(256), 0, \
                               EGU, I, gate_up, L->hid, H, (const float *)g->xb, \
@@ -3358,7 +3429,7 @@ static void mlp_decode(GpuModel *g, int l) {
     GATE_UP(egu, g->n_active, K);
 #undef GATE_UP
     /* the down projections: bf16 / f32 by column slices where the row fits 3 chunks a thread, else a warp a row */
-    if constexpr (!is_q<W>)
+    if (!is_q<W> || g->qcols)                       /* q: EXPERIMENT */
         if (!g->down_warp && (K * I + L->hid) / 8 <= 3 * 256 && I % 8 == 0 && L->hid % 8 == 0) {
             launch(g, moe_down_cols<W, 4, 3>, dim3((H + 3) / 4), dim3(256), 0, g->x, edn, I, down, L->hid, H,
                    (const int *)g->active, (const int *)g->n_active, (const float *)g->pair_w,
