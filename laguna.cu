@@ -1628,13 +1628,59 @@ __device__ void decode_route(const float *logits, const float *bias, int E, int 
  * blocks: 1 MB of router weights wants many SMs pulling); the last block to finish (a counter in device memory,
  * reset by that block) picks the top-k (decode_route; H <= 2048 * NCH). The plan is then trivial: one token, K pairs,
  * each expert once, sorted by id (start[] and pair_tok[] for the general gate/up kernel). */
-template <typename W, int NCH>
+/* EXPERIMENT (branch next, LAGUNA_SHARED_IN_ROUTER=1; bf16 / f32, H <= 2048): the shared expert's gate/up as extra
+ * blocks of the router's launch (R units a block, moe_gate_up_cols's layout), each norming x itself with the
+ * router's partition of the sum of squares, so hs is what moe_gate_up_cols would write. The router is latency-bound
+ * (its last block's top-k, ~3 us, runs alone), so these 4 MB could stream in its shadow, and gate/up has only the
+ * routed experts left. */
+template <typename W, int R>
+__device__ __forceinline__ void shared_gate_up_block(int b, WPtr gu, int S, int H, const float *x, const float *norm_w,
+                                                     float eps, float *hs) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, k = tid * 8, i0 = b * R;
+    typename Fmt<W>::Chunk c[2 * R];
+    float nw[8], xv[8];
+    if (k < H) {
+#pragma unroll
+        for (int j = 0; j < R; j++) {
+            const int i = min(i0 + j, S - 1);
+            c[j] = wload<W>(wrow<W>(gu, i, H), k);
+            c[R + j] = wload<W>(wrow<W>(gu, S + i, H), k);
+        }
+        load_x8(norm_w + k, nw);
+    }
+    griddep_wait();                                 /* x: o_proj's */
+    griddep_launch();
+    if (k < H) load_x8(x + k, xv);
+    else for (int i = 0; i < 8; i++) xv[i] = 0.0f;
+    const float inv = 1.0f / sqrtf(block_sum(dot8(xv, xv)) / H + eps);
+    float acc[2 * R] = {};
+    if (k < H) {
+        for (int i = 0; i < 8; i++) xv[i] = nw[i] * (xv[i] * inv);
+        chunk_dot<W, 2 * R>(c, H - k, [&](int, float f[8]) { for (int i = 0; i < 8; i++) f[i] = xv[i]; }, acc);
+    }
+    __shared__ float red[8][2 * R];
+    float v = warp_reduce_rows<2 * R>(acc, lane);
+    if (lane % (16 / R) == 0) red[warp][lane / (16 / R)] = v;
+    __syncthreads();
+    if (tid < R && i0 + tid < S) {
+        float gs = 0.0f, us = 0.0f;
+        for (int w = 0; w < 8; w++) { gs += red[w][tid]; us += red[w][R + tid]; }
+        hs[i0 + tid] = silu(gs) * us;
+    }
+}
+
+template <typename W, int NCH, bool SH>
 __global__ void __launch_bounds__(256) router_decode(float *logits, WPtr w, int E, int H, const float *x,
                                                      const float *norm_w, float eps, float *xb_out,
                                                      const float *bias, int K, float softcap, int *start,
                                                      int *pair_tok, float *pair_w, int *active, int *n_active,
-                                                     int *counter) {
+                                                     int *counter, WPtr shared_gu, int S, float *hs, int nbr) {
     TRACE_BLOCK();
+    if constexpr (SH && !is_q<W>)
+        if ((int)blockIdx.x >= nbr) {               /* the experiment: a shared-expert gate/up block */
+            shared_gate_up_block<W, 4>(blockIdx.x - nbr, shared_gu, S, H, x, norm_w, eps, hs);
+            return;
+        }
     matvec_rows<W, 2, NCH>(logits, w, E, H, x, norm_w, eps, xb_out, NULL, 0);
     TRACE_MARK(0);
     /* Count the block: the barrier orders its logits before thread 0's acquire-release atomic (the release is
@@ -1645,7 +1691,7 @@ __global__ void __launch_bounds__(256) router_decode(float *logits, WPtr w, int 
     if (threadIdx.x == 0) {
         int old;
         asm volatile("atom.add.acq_rel.gpu.s32 %0, [%1], 1;" : "=r"(old) : "l"(counter) : "memory");
-        last = old == (int)gridDim.x - 1;
+        last = old == (SH ? nbr : (int)gridDim.x) - 1;   /* the router's blocks only */
     }
     __syncthreads();
     if (!last) return;
@@ -2572,6 +2618,7 @@ struct GpuModel {
     int dup, nlaunch;        /* LAGUNA_DUP=k: the k-th decode launch of every layer enqueued twice (a timing hook) */
     int down_warp;           /* LAGUNA_DOWN_WARP=1: decode's down projections by moe_down_decode (q8 / q4's kernel) */
     int qcols;               /* EXPERIMENT (LAGUNA_QCOLS=R): q8 / q4 decode matvecs and experts by column slices */
+    int shared_in_router;    /* EXPERIMENT (LAGUNA_SHARED_IN_ROUTER=1): the shared expert's gate/up in the router's launch */
     int split_cols;          /* o_proj by column slices over a cluster (LAGUNA_NO_SPLIT_COLS=1: the block-rows kernel) */
     /* LAGUNA_PROF=1 (a timing hook, dev/bench_gpu): forwards of 2..64 tokens (verification) record an event after
      * each step; the time between events is summed per step name and printed by gpu_free */
@@ -2891,6 +2938,7 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
     g->split_cols = getenv("LAGUNA_NO_SPLIT_COLS") == NULL;
     g->down_warp = getenv("LAGUNA_DOWN_WARP") != NULL;     /* so the tests reach that path in bf16 / f32 */
     g->qcols = getenv("LAGUNA_QCOLS") ? atoi(getenv("LAGUNA_QCOLS")) : 0;
+    g->shared_in_router = getenv("LAGUNA_SHARED_IN_ROUTER") != NULL;
     int D = c->head_dim, H = c->dim, KVD = c->kv_dim, T = max_tokens, E = c->n_experts, K = c->n_experts_active;
     /* formats: the matmul weights all quantized alike (q8 or q4) or none of them; the embedding (and with it a tied
      * lm_head) and lm_head may be quantized on their own (export.py: the embedding is q8 in q4 files too); the
@@ -3417,16 +3465,22 @@ static void mlp_decode(GpuModel *g, int l) {
     }
     /* route: router logits from the normed x (the norm folded into the matvec, which also leaves xb) and the
      * top-k plan, one launch; the router is never quantized (P: bf16 or f32) */
-#define ROUTE(N) launch(g, router_decode<P, N>, dim3((c->n_experts + 1) / 2), dim3(256), 0, g->router_logits, \
+    const bool shared_in_router = g->shared_in_router && !is_q<W> && gu_cols && H % 8 == 0 && L->hid > 0;
+    const int nbr = (c->n_experts + 1) / 2, sh = shared_in_router ? (L->hid + 3) / 4 : 0;   /* router, shared blocks */
+#define ROUTE(N) launch(g, shared_in_router ? router_decode<P, N, true> : router_decode<P, N, false>, dim3(nbr + sh), \
+        dim3(256), 0, g->router_logits, \
         WPtr(L->router), c->n_experts, H, (const float *)g->x, (const float *)L->ffn_norm, c->norm_eps, g->xb, \
         (const float *)L->expert_bias, K, c->router_softcap, g->start, g->pair_tok, g->pair_w, g->active, \
-        g->n_active, g->counters)
+        g->n_active, g->counters, WPtr(L->gate_up), L->hid, g->hs, nbr)
     if (H <= 2048) ROUTE(1);
     else if (H <= 4096) ROUTE(2);
     else if (H <= 8192) ROUTE(4);
     else ROUTE(8);
 #undef ROUTE
-    GATE_UP(egu, g->n_active, K);
+    if (shared_in_router)                           /* the experiment: the routed experts only */
+        launch(g, moe_gate_up_cols<W, RU>, dim3(K * ((I + RU - 1) / RU)), dim3(256), 0, egu, I, gate_up, 0, H,
+               (const float *)g->xb, (const int *)g->active, (const int *)g->n_active, g->h_pair, g->hs);
+    else GATE_UP(egu, g->n_active, K);
 #undef GATE_UP
     /* the down projections: bf16 / f32 by column slices where the row fits 3 chunks a thread, else a warp a row */
     if (!is_q<W> || g->qcols)                       /* q: EXPERIMENT */
