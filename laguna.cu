@@ -303,7 +303,7 @@ template <typename W> __device__ __forceinline__ float wscale(const typename Fmt
 }
 /* The column-slice kernels' unit: 8 consecutive weights of a row (column k, a multiple of 8) and, for q8 / q4, their
  * group's scale (8 divides the group of 32): bf16 / f32 Fmt's 16-byte chunk; q8 8 bytes; q4 4 bytes. So a thread
- * holds the same 8 values of x in every format. (EXPERIMENT on branch next: q8 / q4 through matvec_cols.) */
+ * holds the same 8 values of x in every format. */
 template <typename W> struct Cols8 { typedef typename Fmt<W>::Chunk T; };
 struct Q8Cols { uint2 v; uint16_t s; };
 struct Q4Cols { uint32_t v; uint16_t s; };
@@ -1260,7 +1260,7 @@ __global__ void __launch_bounds__(256, 2)
 attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc, int rows, int KVD,
                        const int *pos_ptr, int window, int nsplit, const float *q_norm, const float *k_norm,
                        const float *inv_freq, int rd, float rscale, float eps, float *part_o, float2 *part_ml,
-                       int *counter, float *att, int gate_off, int gate_per_head, float scale_log2) {
+                       int *counter, float *att, int gate_off, int gate_per_head, float scale_log2, int diag) {
     TRACE_BLOCK();
     constexpr int G = 8, CH = D / 8, KT = 512 / CH, KL = CH / 2;
     __shared__ __align__(16) float qs[G][D];            /* q, normed, roped, times scale * log2(e) */
@@ -1275,7 +1275,8 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
     const int kb = kmin + split * per, ke = min(pos + 1, kb + per);
     if (!CL && split >= nact) return;                   /* no keys here (the grid is sized for the whole context) */
     KV8 kr[2], vr[2];
-    kv_tile_load<KV, D>(kc, vc, rows, KVD, kvh, kb, ke, pos, kr, vr);    /* before the wait: older rows only */
+    if (!(diag & 1)) kv_tile_load<KV, D>(kc, vc, rows, KVD, kvh, kb, ke, pos, kr, vr);    /* before the wait: older rows only */
+    else kv_tile_load<KV, D>(kc, vc, rows, KVD, kvh, kb, kb, pos, kr, vr);   /* DIAG 1: no loads (zeros) */
     for (int i = tid; i < rd / 2; i += 256) {           /* RoPE's angles need only the position: also before */
         float f = (float)pos * inv_freq[i];
         cs[i] = cosf(f) * rscale;
@@ -1283,7 +1284,7 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
     }
     for (int i = tid; i < D; i += 256) { nws[0][i] = q_norm[i]; nws[1][i] = k_norm[i]; }
     griddep_wait();                                     /* q/k/v/g come from the matvec */
-    griddep_launch();
+    if (!(diag & 2)) griddep_launch();                  /* DIAG 2: after p.V */
     /* CL: block j of the cluster (its split: the cluster spans the splits) merges head j; its gate now, not after
      * the merge's barriers */
     float gate_v = 1.0f;
@@ -1342,7 +1343,7 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
         for (int i = 0; i < 8; i++) o[j][i] = 0.0f;
     for (int t0 = kb; t0 < ke; t0 += KT) {
         KV8 nk[2], nv[2];
-        if (t0 + KT < ke) kv_tile_load<KV, D>(kc, vc, rows, KVD, kvh, t0 + KT, ke, pos, nk, nv);
+        if (t0 + KT < ke) kv_tile_load<KV, D>(kc, vc, rows, KVD, kvh, t0 + KT, (diag & 1) ? t0 + KT : ke, pos, nk, nv);
         /* scores */
         const int uk = t0 + tid / KL, c0 = 2 * (tid % KL);
         float kf[2][8];
@@ -1354,7 +1355,7 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
         /* not unrolled: one copy of the body instead of 8; decode measured 1.8% faster so (why is not isolated:
          * dev/gpu_notes.md, round 8) */
 #pragma unroll 1
-        for (int j = 0; j < g; j++) {
+        for (int j = 0; j < ((diag & 4) ? 0 : g); j++) {   /* DIAG 4: no scores (zeros) */
             float qa[8], qb[8];
             load_x8(&qs[j][c0 * 8], qa);
             load_x8(&qs[j][c0 * 8 + 8], qb);
@@ -1363,6 +1364,8 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
             for (int off = 1; off < KL; off <<= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
             if (tid % KL == 0) sm.sc[j][tid / KL] = uk < ke ? s : -INFINITY;
         }
+        if (diag & 4)
+            for (int i = tid; i < g * KT; i += 256) sm.sc[i / KT][i % KT] = 0.0f;
         __syncthreads();
         if (t0 == kb) TRACE_MARK(2);
         /* per head: the running max, this tile's probabilities and the running sum */
@@ -1397,6 +1400,7 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
 #pragma unroll
         for (int i = 0; i < 2; i++) { kr[i] = nk[i]; vr[i] = nv[i]; }
     }
+    if (diag & 2) griddep_launch();
     __shared__ __align__(16) float po[CL ? G : 1][D];  /* CL: this split's unnormalised output, for the cluster */
     if (kb < ke) {
         /* the threads of one dim chunk: lanes CH apart, then the 8 warps (fixed order) */
@@ -1628,11 +1632,11 @@ __device__ void decode_route(const float *logits, const float *bias, int E, int 
  * blocks: 1 MB of router weights wants many SMs pulling); the last block to finish (a counter in device memory,
  * reset by that block) picks the top-k (decode_route; H <= 2048 * NCH). The plan is then trivial: one token, K pairs,
  * each expert once, sorted by id (start[] and pair_tok[] for the general gate/up kernel). */
-/* EXPERIMENT (branch next, LAGUNA_SHARED_IN_ROUTER=1; bf16 / f32, H <= 2048): the shared expert's gate/up as extra
- * blocks of the router's launch (R units a block, moe_gate_up_cols's layout), each norming x itself with the
- * router's partition of the sum of squares, so hs is what moe_gate_up_cols would write. The router is latency-bound
- * (its last block's top-k, ~3 us, runs alone), so these 4 MB could stream in its shadow, and gate/up has only the
- * routed experts left. */
+/* The shared expert's gate/up inside the router's launch (SH; bf16 / f32, H <= 2048): blocks past the router's
+ * (R units a block, moe_gate_up_cols's layout) each norm x themselves with the router's partition of the sum of
+ * squares, so hs is bitwise what moe_gate_up_cols would write. The router is latency-bound (its last block's top-k
+ * runs alone), so the shared expert's 4 MB stream in its shadow and gate/up has only the routed experts left:
+ * +1.35% decode at 512 (dev/gpu_notes.md, round 11). */
 template <typename W, int R>
 __device__ __forceinline__ void shared_gate_up_block(int b, WPtr gu, int S, int H, const float *x, const float *norm_w,
                                                      float eps, float *hs) {
@@ -1677,7 +1681,7 @@ __global__ void __launch_bounds__(256) router_decode(float *logits, WPtr w, int 
                                                      int *counter, WPtr shared_gu, int S, float *hs, int nbr) {
     TRACE_BLOCK();
     if constexpr (SH && !is_q<W>)
-        if ((int)blockIdx.x >= nbr) {               /* the experiment: a shared-expert gate/up block */
+        if ((int)blockIdx.x >= nbr) {               /* a shared-expert gate/up block */
             shared_gate_up_block<W, 4>(blockIdx.x - nbr, shared_gu, S, H, x, norm_w, eps, hs);
             return;
         }
@@ -1962,7 +1966,7 @@ __global__ void __launch_bounds__(256) moe_gate_up_cols(WPtr experts_gu, int I, 
                                                         const float *xb, const int *active, const int *n_active,
                                                         float *h_pair, float *hs) {
     TRACE_BLOCK();
-    constexpr int CH = 8;                           /* columns a thread (Cols8; q8 / q4: the experiment on branch next) */
+    constexpr int CH = 8;                           /* columns a thread (Cols8) */
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nbS = (S + R - 1) / R, b = blockIdx.x;
     const int k = tid * CH;                         /* this thread's columns */
     typename Cols8<W>::T c[2 * R];                 /* [j]: the gate row of unit i0 + j; [R + j]: its up row */
@@ -2032,7 +2036,7 @@ __global__ void __launch_bounds__(256) moe_down_cols(float *x, WPtr experts_down
     TRACE_BLOCK();
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, r0 = blockIdx.x * R;
     const int na = n_active ? *n_active : 0, cI = I / 8, nq = na * cI + S / 8;
-    typename Cols8<W>::T c[NC][R];                 /* (q8 / q4: the experiment on branch next) */
+    typename Cols8<W>::T c[NC][R];
     int seg[NC], kk[NC];                            /* chunk u: its expert slot (na: the always-on matrix), column */
 #pragma unroll
     for (int u = 0; u < NC; u++) {
@@ -2617,8 +2621,8 @@ struct GpuModel {
     int pdl_now;             /* set while enqueueing a one-token forward */
     int dup, nlaunch;        /* LAGUNA_DUP=k: the k-th decode launch of every layer enqueued twice (a timing hook) */
     int down_warp;           /* LAGUNA_DOWN_WARP=1: decode's down projections by moe_down_decode (q8 / q4's kernel) */
-    int qcols;               /* EXPERIMENT (LAGUNA_QCOLS=R): q8 / q4 decode matvecs and experts by column slices */
-    int shared_in_router;    /* EXPERIMENT (LAGUNA_SHARED_IN_ROUTER=1): the shared expert's gate/up in the router's launch */
+    int attn_diag;           /* DIAG (branch s12, timing only): LAGUNA_ATTN_DIAG bits, 1 no K/V loads, 2 late launch, 4 no scores */
+    int qwarp;               /* LAGUNA_QWARP=1: q8 / q4 decode matvecs and experts by the warp kernels, not column slices */
     int split_cols;          /* o_proj by column slices over a cluster (LAGUNA_NO_SPLIT_COLS=1: the block-rows kernel) */
     /* LAGUNA_PROF=1 (a timing hook, dev/bench_gpu): forwards of 2..64 tokens (verification) record an event after
      * each step; the time between events is summed per step name and printed by gpu_free */
@@ -2937,8 +2941,8 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
     g->prof = getenv("LAGUNA_PROF") != NULL;
     g->split_cols = getenv("LAGUNA_NO_SPLIT_COLS") == NULL;
     g->down_warp = getenv("LAGUNA_DOWN_WARP") != NULL;     /* so the tests reach that path in bf16 / f32 */
-    g->qcols = getenv("LAGUNA_QCOLS") ? atoi(getenv("LAGUNA_QCOLS")) : 0;
-    g->shared_in_router = getenv("LAGUNA_SHARED_IN_ROUTER") != NULL;
+    g->attn_diag = getenv("LAGUNA_ATTN_DIAG") ? atoi(getenv("LAGUNA_ATTN_DIAG")) : 0;
+    g->qwarp = getenv("LAGUNA_QWARP") != NULL;            /* so the tests reach those kernels */
     int D = c->head_dim, H = c->dim, KVD = c->kv_dim, T = max_tokens, E = c->n_experts, K = c->n_experts_active;
     /* formats: the matmul weights all quantized alike (q8 or q4) or none of them; the embedding (and with it a tied
      * lm_head) and lm_head may be quantized on their own (export.py: the embedding is q8 in q4 files too); the
@@ -3270,27 +3274,6 @@ static void launch(GpuModel *g, void (*kernel)(P...), dim3 grid, dim3 block, siz
     if (g->pdl_now && g->nlaunch++ == g->dup) CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, ((P)args)...));
 }
 
-/* EXPERIMENT (branch next; LAGUNA_QCOLS=R, R = 8, 16 or 32 rows a subgroup): the column-slice matvec for any format
- * with in % 8 == 0 (q8 / q4 load 8 or 4 bytes and a scale a row: 8 columns a thread, like bf16). false: not taken. */
-template <typename W, int R>
-static bool matvec_cols_any(GpuModel *g, float *out, WPtr m, int rows, int in, const float *x, const float *norm_w,
-                            float *xb_out, const float *bias, int accumulate) {
-    if (in % 8) return false;
-    if (in <= 2048) {
-        const int rb = R * col_subgroups(in / 8);  /* rows a block */
-        launch(g, matvec_cols<W, R, false>, dim3((rows + rb - 1) / rb), dim3(256), 0, out, m, rows, in, x, norm_w,
-               g->c.norm_eps, xb_out, bias, accumulate);
-        return true;
-    }
-    const int ns = (in + 2047) / 2048;
-    if (norm_w || ns > 8 || g->cc_major < 9) return false;
-    g->cluster_y = ns;
-    launch(g, matvec_cols<W, R, true>, dim3((rows + R - 1) / R, ns), dim3(256), 0, out, m, rows, in, x, norm_w,
-           g->c.norm_eps, xb_out, bias, accumulate);
-    g->cluster_y = 0;
-    return true;
-}
-
 /* the decode matvec: 8 weight loads per thread, spread over ROWS rows x NCH chunks per row (in <= 256 * CH * NCH).
  * accumulate (out += W x: o_proj into the residual stream) reads out before the wait on the previous kernel, so out
  * must be older than that kernel's output (the residual: the previous layer's down projection, 3+ kernels back). */
@@ -3301,36 +3284,33 @@ static void matvec(GpuModel *g, float *out, const void *w, int rows, int in, con
     const WPtr m = wmat(Fmt<W>::DT, w, rows, in);
 #define MV(R, N) launch(g, matvec_kernel<W, R, N>, dim3((rows + R - 1) / R), dim3(256), 0, out, m, rows, in, \
                         x, norm_w, g->c.norm_eps, xb_out, bias, accumulate)
-    /* bf16 / f32 with in <= 2048 (q/k/v/g, lm_head): column slices, 8 rows a subgroup (matvec_cols). q8 / q4 with
-     * in <= 2048: a warp per RG rows (Fmt), 2 steps per warp (x staged once per 16 * RG rows), 4 for lm_head-sized
-     * matrices. Wider inputs (o_proj): bf16 / f32 by column slices of 2048 over a cluster (sm_90, up to 8 slices), else
-     * the block-rows kernel. Measured on the H200 in the decode graph (dev/gpu_notes.md, rounds 2, 5, 9 and 10): bf16
-     * matvec_warp 317 tok/s with 2 steps per warp, 311 with 4, 292 with 1, 309 with the block-rows kernel; o_proj by
-     * the block-rows kernel 411.2, by a cluster of column slices 412.7 (4 chunks a thread instead: 395 -> 376); for a
-     * quantized lm_head (rows >= 32768) 4 steps were +0.6% (q4) and +0.9% (q8) over 2 */
+    /* Column slices (matvec_cols: a thread owns 8 columns of the block's rows, x in registers) for every format; q8 /
+     * q4 need in % 8 == 0. in <= 2048 (q/k/v/g, lm_head): whole rows a block, 8 rows a subgroup. Wider rows (o_proj):
+     * ns slices of 2048 columns over a cluster (sm_90, up to 8 slices). Otherwise a warp per RG rows (matvec_warp,
+     * in <= 2048: 2 steps per warp, 4 for lm_head-sized quantized matrices) or the block-rows kernel. Measured on the
+     * H200 in the decode graph (dev/gpu_notes.md, rounds 2, 5, 9, 10 and 11): bf16 by matvec_warp 355.6 tok/s, by
+     * column slices 398.0; o_proj by the block-rows kernel 411.2, by a cluster of column slices 412.7; q4 407.6 ->
+     * 446.1 and q8 416.2 -> 448.1 by column slices (16 or 32 rows a subgroup: slower). LAGUNA_QWARP=1 keeps q8 / q4 on
+     * the warp and block-rows kernels (a test and timing hook). */
 #define MVW(R) launch(g, matvec_warp<W, 64 / CH, R>, dim3((rows + 8 * R * RG - 1) / (8 * R * RG)), dim3(256), 0, out, m, \
                       rows, in, x, norm_w, g->c.norm_eps, xb_out, bias, accumulate)
-    int nch = (in + 256 * CH - 1) / (256 * CH);    /* chunks a thread per row (block-rows kernel), or column slices */
-    if constexpr (!is_q<W>) {                       /* bf16 / f32, in <= 2048: column slices, 8 rows a subgroup */
-        if (in <= 256 * CH) {
-            const int rb = 8 * col_subgroups((in + CH - 1) / CH);   /* rows a block */
+    const int ns = (in + 2047) / 2048;              /* column slices of 2048 */
+    if (!is_q<W> || (!g->qwarp && in % 8 == 0)) {
+        if (in <= 2048) {
+            const int rb = 8 * col_subgroups((in + 7) / 8);     /* rows a block */
             launch(g, matvec_cols<W, 8, false>, dim3((rows + rb - 1) / rb), dim3(256), 0, out, m, rows, in, x, norm_w,
                    g->c.norm_eps, xb_out, bias, accumulate);
             return;
         }
-        if (g->split_cols && !norm_w && nch <= 8 && g->cc_major >= 9) {   /* wider rows (o_proj): nch column slices */
-            g->cluster_y = nch;                         /* over a cluster */
-            launch(g, matvec_cols<W, 8, true>, dim3((rows + 7) / 8, nch), dim3(256), 0, out, m, rows, in, x, norm_w,
+        if (g->split_cols && !norm_w && ns <= 8 && g->cc_major >= 9) {
+            g->cluster_y = ns;                          /* the slices of a row block: one cluster */
+            launch(g, matvec_cols<W, 8, true>, dim3((rows + 7) / 8, ns), dim3(256), 0, out, m, rows, in, x, norm_w,
                    g->c.norm_eps, xb_out, bias, accumulate);
             g->cluster_y = 0;
             return;
         }
     }
-    if constexpr (is_q<W>) {                        /* the experiment (see matvec_cols_any) */
-        if (g->qcols == 8 && matvec_cols_any<W, 8>(g, out, m, rows, in, x, norm_w, xb_out, bias, accumulate)) return;
-        if (g->qcols == 16 && matvec_cols_any<W, 16>(g, out, m, rows, in, x, norm_w, xb_out, bias, accumulate)) return;
-        if (g->qcols == 32 && matvec_cols_any<W, 32>(g, out, m, rows, in, x, norm_w, xb_out, bias, accumulate)) return;
-    }
+    const int nch = (in + 256 * CH - 1) / (256 * CH);   /* chunks a thread per row (block-rows kernel) */
     if (in <= 2048 && rows >= 32768 && is_q<W>) MVW(4);
     else if (in <= 2048) MVW(2);
 #undef MVW
@@ -3387,7 +3367,7 @@ static void attention(GpuModel *g, int l, int n, int pos) {
 #define FUSED_CL(KV, DD, CC) launch(g, attention_decode_fused<KV, DD, CC>, dim3(nkv, nsplit), dim3(256), 0, (const float *)g->qkvg, \
         gq, L->nh, nkv, (KV *)L->kc, (KV *)L->vc, L->rows, c->kv_dim, pos_ptr, window, nsplit, (const float *)L->q_norm, \
         (const float *)L->k_norm, (const float *)g->inv_freq[t], c->rotary_dim[t], c->rope_scaling[t], c->norm_eps, \
-        g->part_o, g->part_ml, g->counters + 1, g->att, gate_off, c->gate_per_head, scale_log2)
+        g->part_o, g->part_ml, g->counters + 1, g->att, gate_off, c->gate_per_head, scale_log2, g->attn_diag)
 #define FUSED(KV, DD) do { if (CLU == 16) FUSED_CL(KV, DD, 16); else if (CLU == 8) FUSED_CL(KV, DD, 8); else FUSED_CL(KV, DD, 0); } while (0)
 #define FUSED_D(KV) switch (D) { case 16: FUSED(KV, 16); break; case 32: FUSED(KV, 32); break; case 64: FUSED(KV, 64); break; default: FUSED(KV, 128); }
         KV_SWITCH(g, FUSED_D);
@@ -3437,9 +3417,9 @@ static void mlp_decode(GpuModel *g, int l) {
     int H = c->dim, I = c->moe_hidden_dim, K = c->n_experts_active, E = c->n_experts, DT = Fmt<W>::DT, RG = Fmt<W>::RG;
     const WPtr gate_up = wmat(DT, L->gate_up, 2 * (size_t)L->hid, H), down = wmat(DT, L->down, H, L->hid);
     const WPtr egu = wmat(DT, L->experts_gate_up, (size_t)E * 2 * I, H), edn = wmat(DT, L->experts_down, (size_t)E * H, I);
-    /* gate/up: bf16 / f32 by column slices (H <= 2048), q8 / q4 the warp-per-unit kernel (H <= 2048), or the general
-     * one; the always-on matrix's blocks first */
-    const bool gu_cols = (!is_q<W> || (g->qcols && H % 8 == 0)) && H <= 2048 && !g->moe_general;   /* q: EXPERIMENT */
+    /* gate/up: by column slices (H <= 2048; q8 / q4 with H % 8 == 0: 8 units a block, bf16 / f32 4), the warp-per-unit
+     * kernel (LAGUNA_QWARP=1), or the general one; the always-on matrix's blocks first */
+    const bool gu_cols = (!is_q<W> || (!g->qwarp && H % 8 == 0)) && H <= 2048 && !g->moe_general;
     constexpr int RU = is_q<W> ? 8 : 4;             /* units a column-slice block */
 #define GATE_UP(EGU, NI, KA) do { \
         if (gu_cols) { \
@@ -3465,7 +3445,8 @@ static void mlp_decode(GpuModel *g, int l) {
     }
     /* route: router logits from the normed x (the norm folded into the matvec, which also leaves xb) and the
      * top-k plan, one launch; the router is never quantized (P: bf16 or f32) */
-    const bool shared_in_router = g->shared_in_router && !is_q<W> && gu_cols && H % 8 == 0 && L->hid > 0;
+    /* bf16 / f32: the shared expert's gate/up as more blocks of the router's launch (router_decode's SH) */
+    const bool shared_in_router = !is_q<W> && gu_cols && H % 8 == 0 && L->hid > 0;
     const int nbr = (c->n_experts + 1) / 2, sh = shared_in_router ? (L->hid + 3) / 4 : 0;   /* router, shared blocks */
 #define ROUTE(N) launch(g, shared_in_router ? router_decode<P, N, true> : router_decode<P, N, false>, dim3(nbr + sh), \
         dim3(256), 0, g->router_logits, \
@@ -3477,13 +3458,13 @@ static void mlp_decode(GpuModel *g, int l) {
     else if (H <= 8192) ROUTE(4);
     else ROUTE(8);
 #undef ROUTE
-    if (shared_in_router)                           /* the experiment: the routed experts only */
+    if (shared_in_router)                           /* the routed experts only */
         launch(g, moe_gate_up_cols<W, RU>, dim3(K * ((I + RU - 1) / RU)), dim3(256), 0, egu, I, gate_up, 0, H,
                (const float *)g->xb, (const int *)g->active, (const int *)g->n_active, g->h_pair, g->hs);
     else GATE_UP(egu, g->n_active, K);
 #undef GATE_UP
-    /* the down projections: bf16 / f32 by column slices where the row fits 3 chunks a thread, else a warp a row */
-    if (!is_q<W> || g->qcols)                       /* q: EXPERIMENT */
+    /* the down projections: by column slices where the row fits 3 chunks a thread, else a warp a row */
+    if (!is_q<W> || !g->qwarp)
         if (!g->down_warp && (K * I + L->hid) / 8 <= 3 * 256 && I % 8 == 0 && L->hid % 8 == 0) {
             launch(g, moe_down_cols<W, 4, 3>, dim3((H + 3) / 4), dim3(256), 0, g->x, edn, I, down, L->hid, H,
                    (const int *)g->active, (const int *)g->n_active, (const float *)g->pair_w,

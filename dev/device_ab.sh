@@ -11,12 +11,13 @@
 # $EXTRA: more B-only bench_gpu command lines (arguments after the file, e.g. "--kv fp8 8192 131072"; several
 # separated by ';', each optionally "VAR=x VAR2=y|" first for its environment), on the bf16 file.
 # $TRACE=1: B is also built with -DLAGUNA_TRACE and traces one decode step at 512 on the bf16 file (trace.csv.gz,
-# trace_summary.txt; dev/trace_summary.py's tables (b) and (c) also go to ab.txt); $TRACE_ENV (VAR=value words):
-# a second trace with that environment (trace_env.csv.gz; its tables to ab.txt too).
+# trace_summary.txt; dev/trace_summary.py's tables (b) and (c) also go to ab.txt); $TRACE_ENV (VAR=value words, several
+# sets separated by ';'): one more trace per set with that environment (trace_env1.csv.gz, ...; tables to ab.txt).
 # $TESTS=1: then the GPU tests (make test-gpu's) on B until $DEADLINE s (default 585) after the start (a call is 600 s at most),
 # with $TEST_ENV (VAR=value words) in its environment: the tests' ./laguna runs inherit it; $TEST_K: only the tests
 # a pytest -k expression selects.
-# Logs under $OUT: ab.txt (the lines to read), build_a.log, build_b.log, runs/, test.log.
+# Logs under $OUT: ab.txt (the lines to read), test.log, runs/ (each run; the build and export logs once the benches
+# are done: a failed build or export puts its tail in ab.txt).
 set -u
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = --prepare ]; then
@@ -85,10 +86,15 @@ trace() {   # trace() NAME [VAR=value ...]: one traced step at 512, its tables (
 }
 if [ -n "$TR" ] && [ -f /dev/shm/ab-bf16.bin ]; then
     trace trace
-    [ -n "${TRACE_ENV:-}" ] && trace trace_env $TRACE_ENV
+    if [ -n "${TRACE_ENV:-}" ]; then
+        IFS=';' read -ra tenvs <<< "$TRACE_ENV"
+        for i in "${!tenvs[@]}"; do trace trace_env$((i + 1)) ${tenvs[$i]}; done
+    fi
+    rm -f "$OUT"/trace_env*_bench.log "$OUT"/trace_env*_summary.txt   # their tables are in ab.txt (8 files come back)
 fi
 rm -f /dev/shm/ab-*.bin
 echo "benches done in $(( $(date +%s) - t0 )) s" >> "$S"
+mv "$OUT/build_a.log" "$OUT/build_b.log" "$OUT/export.log" "$OUT/runs/" 2>/dev/null   # read on failure only (in ab.txt)
 [ "${TESTS:-0}" = 1 ] || exit 0
 if [ -n "${TEST_K:-}" ]; then set -- -k "$TEST_K"; else set --; fi   # TEST_K: a pytest -k expression
 timeout $(( ${DEADLINE:-585} - ($(date +%s) - t0) )) env ${TEST_ENV:-} \

@@ -722,8 +722,12 @@ def test_gpu_quant_logits_match_cpu(laguna_gpu, exported, name, dtype, tmp_path)
     assert "gpu:" in r.stderr and f"({dtype})" in r.stderr, r.stderr
     cpu, _ = score(laguna_gpu, m, sc, tmp_path, "--cpu")
     worst = 0.0
-    for label, extra in (("one pass", ()), ("--chunk 1", ("--chunk", "1")), ("--chunk 7", ("--chunk", "7"))):
-        got, _ = score(laguna_gpu, m, sc, tmp_path, *extra)
+    # decode (--chunk 1) by column slices, and by the warp kernels (LAGUNA_QWARP=1: the path for rows whose width is
+    # not a multiple of 8, which no fixture has)
+    qwarp = dict(os.environ, LAGUNA_QWARP="1")
+    for label, extra, env in (("one pass", (), None), ("--chunk 1", ("--chunk", "1"), None),
+                              ("--chunk 7", ("--chunk", "7"), None), ("--chunk 1, warp kernels", ("--chunk", "1"), qwarp)):
+        got, _ = score(laguna_gpu, m, sc, tmp_path, *extra, env=env)
         d, d_tie = quant_diff(got, cpu, name, dtype)
         note = f"; rows of the near-tie at {NEAR_TIES[(name, dtype)][0]}: {d_tie:.3g}" if (name, dtype) in NEAR_TIES else ""
         print(f"\n[gpu quant] {name} {dtype} {label}: max |GPU - CPU| = {d:.3g} over {cpu.shape[0]} rows "
