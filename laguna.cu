@@ -1239,6 +1239,14 @@ __device__ __forceinline__ void kv_unpack(const KV8 &r, const fp8 *, float f[8])
 __device__ __forceinline__ void kv_unpack(const KV8 &r, const bf16 *, float f[8]) { to_f32x8(r.a, f); }
 __device__ __forceinline__ void kv_unpack(const KV8 &r, const float *, float f[8]) { memcpy(f, &r.a, 16); memcpy(f + 4, &r.b, 16); }
 
+/* attention_decode_fused keeps q (per head, D floats) in shared memory with its 16-byte chunks swizzled: chunk c at
+ * c ^ ((c >> 3) & 3). The scores loop's KL threads of a key read 4 consecutive chunks each, 64 bytes apart; in order,
+ * those fall into 2 of the 8 16-byte bank groups (4-way conflicts on every read), swizzled into all 8. */
+__device__ __forceinline__ int qs_swz(int d) {
+    const int c = d >> 2;
+    return ((c ^ ((c >> 3) & 3)) << 2) | (d & 3);
+}
+
 /* this thread's K chunks (2 of key t0 + tid / KL) and V chunks (chunk tid % CH of keys t0 + tid / CH, + KT / 2);
  * keys past ke and the new key (pos) are zeros */
 template <typename KV, int D>
@@ -1265,10 +1273,11 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
     constexpr int G = 8, CH = D / 8, KT = 512 / CH, KL = CH / 2;
     __shared__ __align__(16) float qs[G][D];            /* q, normed, roped, times scale * log2(e) */
     __shared__ __align__(16) float kn[D], vn[D];        /* the new key and value, as the cache holds them */
-    __shared__ float cs[D / 2], sn[D / 2], hm[G], hl[G], hc[G], sw[128][G], sL[G];
+    __shared__ float cs[D / 2], sn[D / 2], hm[G], hl[G], hc[G], sw[CL ? 1 : 128][G], sL[G];   /* sw: !CL's merge */
     __shared__ float nws[2][D];                         /* q_norm, k_norm: weights, read before the wait */
     __shared__ __align__(16) union { float raw[G + 2][D]; float sc[G][KT]; float wo[8][G][D]; } sm;
     __shared__ int last;
+    if constexpr (CL) cluster_arrive_relaxed();     /* phase 0: this block has started (its shared memory exists) */
     const int kvh = blockIdx.x, split = blockIdx.y, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int pos = *pos_ptr, kmin = window ? max(0, pos - window + 1) : 0, keys = pos - kmin + 1;
     const int per = ((keys + nsplit - 1) / nsplit + KT - 1) / KT * KT, nact = (keys + per - 1) / per;
@@ -1325,7 +1334,7 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
                 float other = nw[e] * (b[e] * inv);
                 o = d < half ? o * cs[i] - other * sn[i] : o * cs[i] + other * sn[i];
             }
-            if (j < g) qs[j][d] = o * scale_log2;
+            if (j < g) qs[j][(diag & 16) ? d : qs_swz(d)] = o * scale_log2;
             else {
                 KV k = from_f<KV>(o);
                 kn[d] = to_f(k);
@@ -1346,6 +1355,9 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
         if (t0 + KT < ke) kv_tile_load<KV, D>(kc, vc, rows, KVD, kvh, t0 + KT, (diag & 1) ? t0 + KT : ke, pos, nk, nv);
         /* scores */
         const int uk = t0 + tid / KL, c0 = 2 * (tid % KL);
+        int qo[4];                                      /* this thread's 4 chunks of q (swizzled) */
+#pragma unroll
+        for (int i = 0; i < 4; i++) qo[i] = (diag & 16) ? c0 * 8 + 4 * i : qs_swz(c0 * 8 + 4 * i);
         float kf[2][8];
 #pragma unroll
         for (int i = 0; i < 2; i++) {
@@ -1357,8 +1369,10 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
 #pragma unroll 1
         for (int j = 0; j < ((diag & 4) ? 0 : g); j++) {   /* DIAG 4: no scores (zeros) */
             float qa[8], qb[8];
-            load_x8(&qs[j][c0 * 8], qa);
-            load_x8(&qs[j][c0 * 8 + 8], qb);
+            *(float4 *)&qa[0] = *(const float4 *)&qs[j][qo[0]];
+            *(float4 *)&qa[4] = *(const float4 *)&qs[j][qo[1]];
+            *(float4 *)&qb[0] = *(const float4 *)&qs[j][qo[2]];
+            *(float4 *)&qb[4] = *(const float4 *)&qs[j][qo[3]];
             float s = dot8(qa, kf[0]) + dot8(qb, kf[1]);
 #pragma unroll
             for (int off = 1; off < KL; off <<= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
@@ -1401,7 +1415,16 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
         for (int i = 0; i < 2; i++) { kr[i] = nk[i]; vr[i] = nv[i]; }
     }
     if (diag & 2) griddep_launch();
-    __shared__ __align__(16) float po[CL ? G : 1][D];  /* CL: this split's unnormalised output, for the cluster */
+    /* CL: block j's inbox, split s's unnormalised output of head j and its (max, sum); the other blocks write it */
+    __shared__ __align__(16) float inbox[CL ? CL : 1][D];
+    __shared__ float2 inbox_ml[CL ? CL : 1];
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    namespace cg = cooperative_groups;
+    if constexpr (CL) {                                 /* phase 0 done: every block of the cluster is running */
+        cluster_wait_acquire();
+        if (tid < g) cg::this_cluster().map_shared_rank(inbox_ml, tid)[split] = make_float2(hm[tid], hl[tid]);
+    }
+#endif
     if (kb < ke) {
         /* the threads of one dim chunk: lanes CH apart, then the 8 warps (fixed order) */
 #pragma unroll
@@ -1425,37 +1448,40 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
             int j = i / D, d = i % D;
             float acc = 0.0f;
             for (int w = 0; w < 8; w++) acc += sm.wo[w][j][d];
-            if constexpr (CL) po[j][d] = acc;
-            else {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+            if constexpr (CL) cg::this_cluster().map_shared_rank(&inbox[0][0], j)[split * D + d] = acc;
+            else
+#endif
+            {
                 part_o[(pbase + j) * D + d] = acc;
                 if (d == 0) part_ml[pbase + j] = make_float2(hm[j], hl[j]);
             }
         }
     } else if constexpr (CL) {                          /* a split without keys: weight 0 in the merge */
-        for (int i = tid; i < g * D; i += 256) po[i / D][i % D] = 0.0f;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        for (int i = tid; i < g * D; i += 256) cg::this_cluster().map_shared_rank(&inbox[0][0], i / D)[split * D + i % D] = 0.0f;
+#endif
     }
     if constexpr (CL) {
-        /* The kv head's CL splits are one thread-block cluster: after a cluster barrier each block reads the others'
-         * (max, sum, output) straight from their shared memory, block j merging head j (threads = dims; splits in
-         * order), and the second barrier keeps every block's shared memory alive until all have read it. No fence,
-         * counter or global round trip. */
+        /* The kv head's CL splits are one thread-block cluster: each block has written its (max, sum) and output of
+         * head j into block j's inbox (distributed shared memory: stores, no round trips); after one cluster barrier
+         * (release / acquire) block j merges head j from its own shared memory (threads = dims; splits in order). No
+         * fence, counter or global round trip; nothing is read remotely, so no second barrier. */
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-        namespace cg = cooperative_groups;
-        cg::cluster_group cluster = cg::this_cluster();
         TRACE_MARK(5);
-        cluster.sync();
+        cluster_arrive_release();
+        cluster_wait_acquire();
         const int j = split;                            /* the head this block merges (gate_v is its gate) */
         if (j < g && tid < D) {
             float M = -INFINITY, L = 0.0f, acc = 0.0f;
-            for (int r = 0; r < CL; r++) M = fmaxf(M, *cluster.map_shared_rank(&hm[j], r));
+            for (int r = 0; r < CL; r++) M = fmaxf(M, inbox_ml[r].x);
             for (int r = 0; r < CL; r++) {
-                float w = exp2f(*cluster.map_shared_rank(&hm[j], r) - M);
-                L += *cluster.map_shared_rank(&hl[j], r) * w;
-                acc += cluster.map_shared_rank(&po[0][0], r)[j * D + tid] * w;
+                float w = exp2f(inbox_ml[r].x - M);
+                L += inbox_ml[r].y * w;
+                acc += inbox[r][tid] * w;
             }
             att[(size_t)(kvh * g + j) * D + tid] = acc / L * gate_v;
         }
-        cluster.sync();
 #else
         __trap();                                       /* clusters need sm_90: the host never picks CL then */
 #endif
