@@ -1241,7 +1241,9 @@ __device__ __forceinline__ void kv_unpack(const KV8 &r, const float *, float f[8
 
 /* attention_decode_fused keeps q (per head, D floats) in shared memory with its 16-byte chunks swizzled: chunk c at
  * c ^ ((c >> 3) & 3). The scores loop's KL threads of a key read 4 consecutive chunks each, 64 bytes apart; in order,
- * those fall into 2 of the 8 16-byte bank groups (4-way conflicts on every read), swizzled into all 8. */
+ * those fall into 2 of the 8 16-byte bank groups (4-way conflicts on every read), swizzled into all 8. The loop took
+ * ~3.8 us of the kernel's ~11 at 512 keys before; the swizzle alone made decode 4.3% faster (dev/gpu_notes.md,
+ * round 11). */
 __device__ __forceinline__ int qs_swz(int d) {
     const int c = d >> 2;
     return ((c ^ ((c >> 3) & 3)) << 2) | (d & 3);
@@ -1268,7 +1270,7 @@ __global__ void __launch_bounds__(256, 2)
 attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc, int rows, int KVD,
                        const int *pos_ptr, int window, int nsplit, const float *q_norm, const float *k_norm,
                        const float *inv_freq, int rd, float rscale, float eps, float *part_o, float2 *part_ml,
-                       int *counter, float *att, int gate_off, int gate_per_head, float scale_log2, int diag) {
+                       int *counter, float *att, int gate_off, int gate_per_head, float scale_log2) {
     TRACE_BLOCK();
     constexpr int G = 8, CH = D / 8, KT = 512 / CH, KL = CH / 2;
     __shared__ __align__(16) float qs[G][D];            /* q, normed, roped, times scale * log2(e) */
@@ -1284,8 +1286,7 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
     const int kb = kmin + split * per, ke = min(pos + 1, kb + per);
     if (!CL && split >= nact) return;                   /* no keys here (the grid is sized for the whole context) */
     KV8 kr[2], vr[2];
-    if (!(diag & 1)) kv_tile_load<KV, D>(kc, vc, rows, KVD, kvh, kb, ke, pos, kr, vr);    /* before the wait: older rows only */
-    else kv_tile_load<KV, D>(kc, vc, rows, KVD, kvh, kb, kb, pos, kr, vr);   /* DIAG 1: no loads (zeros) */
+    kv_tile_load<KV, D>(kc, vc, rows, KVD, kvh, kb, ke, pos, kr, vr);    /* before the wait: older rows only */
     for (int i = tid; i < rd / 2; i += 256) {           /* RoPE's angles need only the position: also before */
         float f = (float)pos * inv_freq[i];
         cs[i] = cosf(f) * rscale;
@@ -1293,7 +1294,7 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
     }
     for (int i = tid; i < D; i += 256) { nws[0][i] = q_norm[i]; nws[1][i] = k_norm[i]; }
     griddep_wait();                                     /* q/k/v/g come from the matvec */
-    if (!(diag & 2)) griddep_launch();                  /* DIAG 2: after p.V */
+    griddep_launch();
     /* CL: block j of the cluster (its split: the cluster spans the splits) merges head j; its gate now, not after
      * the merge's barriers */
     float gate_v = 1.0f;
@@ -1334,7 +1335,7 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
                 float other = nw[e] * (b[e] * inv);
                 o = d < half ? o * cs[i] - other * sn[i] : o * cs[i] + other * sn[i];
             }
-            if (j < g) qs[j][(diag & 16) ? d : qs_swz(d)] = o * scale_log2;
+            if (j < g) qs[j][qs_swz(d)] = o * scale_log2;
             else {
                 KV k = from_f<KV>(o);
                 kn[d] = to_f(k);
@@ -1352,12 +1353,12 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
         for (int i = 0; i < 8; i++) o[j][i] = 0.0f;
     for (int t0 = kb; t0 < ke; t0 += KT) {
         KV8 nk[2], nv[2];
-        if (t0 + KT < ke) kv_tile_load<KV, D>(kc, vc, rows, KVD, kvh, t0 + KT, (diag & 1) ? t0 + KT : ke, pos, nk, nv);
+        if (t0 + KT < ke) kv_tile_load<KV, D>(kc, vc, rows, KVD, kvh, t0 + KT, ke, pos, nk, nv);
         /* scores */
         const int uk = t0 + tid / KL, c0 = 2 * (tid % KL);
         int qo[4];                                      /* this thread's 4 chunks of q (swizzled) */
 #pragma unroll
-        for (int i = 0; i < 4; i++) qo[i] = (diag & 16) ? c0 * 8 + 4 * i : qs_swz(c0 * 8 + 4 * i);
+        for (int i = 0; i < 4; i++) qo[i] = qs_swz(c0 * 8 + 4 * i);
         float kf[2][8];
 #pragma unroll
         for (int i = 0; i < 2; i++) {
@@ -1367,7 +1368,7 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
         /* not unrolled: one copy of the body instead of 8; decode measured 1.8% faster so (why is not isolated:
          * dev/gpu_notes.md, round 8) */
 #pragma unroll 1
-        for (int j = 0; j < ((diag & 4) ? 0 : g); j++) {   /* DIAG 4: no scores (zeros) */
+        for (int j = 0; j < g; j++) {
             float qa[8], qb[8];
             *(float4 *)&qa[0] = *(const float4 *)&qs[j][qo[0]];
             *(float4 *)&qa[4] = *(const float4 *)&qs[j][qo[1]];
@@ -1378,8 +1379,6 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
             for (int off = 1; off < KL; off <<= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
             if (tid % KL == 0) sm.sc[j][tid / KL] = uk < ke ? s : -INFINITY;
         }
-        if (diag & 4)
-            for (int i = tid; i < g * KT; i += 256) sm.sc[i / KT][i % KT] = 0.0f;
         __syncthreads();
         if (t0 == kb) TRACE_MARK(2);
         /* per head: the running max, this tile's probabilities and the running sum */
@@ -1414,7 +1413,6 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
 #pragma unroll
         for (int i = 0; i < 2; i++) { kr[i] = nk[i]; vr[i] = nv[i]; }
     }
-    if (diag & 2) griddep_launch();
     /* CL: block j's inbox, split s's unnormalised output of head j and its (max, sum); the other blocks write it */
     __shared__ __align__(16) float inbox[CL ? CL : 1][D];
     __shared__ float2 inbox_ml[CL ? CL : 1];
@@ -2647,7 +2645,6 @@ struct GpuModel {
     int pdl_now;             /* set while enqueueing a one-token forward */
     int dup, nlaunch;        /* LAGUNA_DUP=k: the k-th decode launch of every layer enqueued twice (a timing hook) */
     int down_warp;           /* LAGUNA_DOWN_WARP=1: decode's down projections by moe_down_decode (q8 / q4's kernel) */
-    int attn_diag;           /* DIAG (branch s12, timing only): LAGUNA_ATTN_DIAG bits, 1 no K/V loads, 2 late launch, 4 no scores */
     int qwarp;               /* LAGUNA_QWARP=1: q8 / q4 decode matvecs and experts by the warp kernels, not column slices */
     int split_cols;          /* o_proj by column slices over a cluster (LAGUNA_NO_SPLIT_COLS=1: the block-rows kernel) */
     /* LAGUNA_PROF=1 (a timing hook, dev/bench_gpu): forwards of 2..64 tokens (verification) record an event after
@@ -2967,7 +2964,6 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
     g->prof = getenv("LAGUNA_PROF") != NULL;
     g->split_cols = getenv("LAGUNA_NO_SPLIT_COLS") == NULL;
     g->down_warp = getenv("LAGUNA_DOWN_WARP") != NULL;     /* so the tests reach that path in bf16 / f32 */
-    g->attn_diag = getenv("LAGUNA_ATTN_DIAG") ? atoi(getenv("LAGUNA_ATTN_DIAG")) : 0;
     g->qwarp = getenv("LAGUNA_QWARP") != NULL;            /* so the tests reach those kernels */
     int D = c->head_dim, H = c->dim, KVD = c->kv_dim, T = max_tokens, E = c->n_experts, K = c->n_experts_active;
     /* formats: the matmul weights all quantized alike (q8 or q4) or none of them; the embedding (and with it a tied
@@ -3393,7 +3389,7 @@ static void attention(GpuModel *g, int l, int n, int pos) {
 #define FUSED_CL(KV, DD, CC) launch(g, attention_decode_fused<KV, DD, CC>, dim3(nkv, nsplit), dim3(256), 0, (const float *)g->qkvg, \
         gq, L->nh, nkv, (KV *)L->kc, (KV *)L->vc, L->rows, c->kv_dim, pos_ptr, window, nsplit, (const float *)L->q_norm, \
         (const float *)L->k_norm, (const float *)g->inv_freq[t], c->rotary_dim[t], c->rope_scaling[t], c->norm_eps, \
-        g->part_o, g->part_ml, g->counters + 1, g->att, gate_off, c->gate_per_head, scale_log2, g->attn_diag)
+        g->part_o, g->part_ml, g->counters + 1, g->att, gate_off, c->gate_per_head, scale_log2)
 #define FUSED(KV, DD) do { if (CLU == 16) FUSED_CL(KV, DD, 16); else if (CLU == 8) FUSED_CL(KV, DD, 8); else FUSED_CL(KV, DD, 0); } while (0)
 #define FUSED_D(KV) switch (D) { case 16: FUSED(KV, 16); break; case 32: FUSED(KV, 32); break; case 64: FUSED(KV, 64); break; default: FUSED(KV, 128); }
         KV_SWITCH(g, FUSED_D);
