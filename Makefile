@@ -74,6 +74,10 @@ dev/chain_lab: dev/chain_lab.cu dev/lab_graph.h laguna.cu laguna.h
 dev/bulk_lab: dev/bulk_lab.cu dev/lab_graph.h laguna.cu laguna.h
 	$(NVCC) $(NVCCFLAGS) dev/bulk_lab.cu -o $@ -lcublas
 
+# the tensor-core kernels for 2..16 tokens (verification) against a CPU reference, cuBLAS and the warp kernels
+dev/few_lab: dev/few_lab.cu laguna.cu laguna.h
+	$(NVCC) $(NVCCFLAGS) dev/few_lab.cu -o $@ -lcublas
+
 bench: dev/bench_gpu dev/matvec_lab dev/bench_dflash
 	./dev/matvec_lab
 	python3 export.py -q --synthetic XS-2.1 /dev/shm/xs21.bin
@@ -83,7 +87,7 @@ bench: dev/bench_gpu dev/matvec_lab dev/bench_dflash
 
 .PHONY: clean test cuda cuda-compile test-gpu bench
 clean:
-	rm -f laguna laguna-debug laguna-cuda dev/bench_gpu dev/bench_gpu_trace dev/bench_dflash dev/matvec_lab dev/moe_gemm_lab dev/chain_lab dev/bulk_lab *.o
+	rm -f laguna laguna-debug laguna-cuda dev/bench_gpu dev/bench_gpu_trace dev/bench_dflash dev/matvec_lab dev/moe_gemm_lab dev/chain_lab dev/bulk_lab dev/few_lab *.o
 
 # tokenizer speed: encode a file, tokens/s on one core (make bench_tokenizer && ./bench_tokenizer MODEL.bin FILE)
 bench_tokenizer: dev/bench_tokenizer.c tokenizer.c tokenizer.h tokenizer_unicode.h

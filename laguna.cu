@@ -2183,7 +2183,188 @@ __global__ void __launch_bounds__(256, 2) moe_down_decode(float *x, WPtr experts
     if (lane == 0) x[j] = xj + (sh + routed * scaling);
 }
 
-/* x[t] += ys[t] + scaling * sum_j w_j * y_pair[(t, j)], the slots summed in ascending expert id */
+/* ---- GEMMs of a few tokens (n = 2..16: the DFlash verification, drafting, short prompts), bf16 weights ----
+ * y[t, r] = W[r, :] . x[t, :] for up to 16 tokens, the weights streamed like the decode matvecs and the 16 tokens
+ * riding along on the tensor cores (the experts' kernels below: every active expert read once, whatever n is; for
+ * plain matrices cuBLAS stays faster above ~8 MB, see gemm()):
+ *   a warp owns 16 rows of W, the mma's A (lane (g, t) holds rows g and g + 8), and the tokens are its B in two
+ *   halves of 8 (lane (g, t) loads tokens g and g + 8). Per 32-k chunk a lane loads 16 bytes of each of its rows and
+ *   of each of its tokens, k = 8t .. 8t + 7, and the chunk is two m16n8k16 steps per half. An mma sums over k in any
+ *   order as long as A and B agree: step s hands the lane's k = 8t + 4s .. 8t + 4s + 3 to the places the
+ *   instruction calls k = 2t, 2t + 1, 2t + 8, 2t + 9, for A and B alike. Lane (g, t) ends with rows g and g + 8
+ *   times tokens 2t and 2t + 1 of each half (acc[h][0..1] row g, acc[h][2..3] row g + 8).
+ * The weights are read once whatever n is; the tokens' 16 bytes come from L1 / L2. */
+__device__ __forceinline__ uint4 few_x8(const bf16 *p) { return __ldg((const uint4 *)p); }
+__device__ __forceinline__ uint4 few_x8(const float *p) {     /* f32 inputs (o_proj's, the dense down's): to bf16 */
+    float4 a = __ldg((const float4 *)p), b = __ldg((const float4 *)p + 1);
+    return make_uint4(pack_bf16(a.x, a.y), pack_bf16(a.z, a.w), pack_bf16(b.x, b.y), pack_bf16(b.z, b.w));
+}
+
+/* one warp: acc[h] += rows (w0, w1) times tokens (x0, x1) of half h over chunks c0, c0 + cs, ... of K (K % 8 == 0).
+ * Every pointer must be a real row: a row or token past the end is some other row whose results the caller drops
+ * (an mma's outputs for row m / token n depend on that row / token alone). U chunks' loads are in flight at once. */
+template <typename X, int HALVES, int U>
+__device__ __forceinline__ void few_rows(float (&acc)[2][4], const bf16 *w0, const bf16 *w1, const X *x0, const X *x1,
+                                         int K, int c0, int cs, int lane) {
+    const int kl = 8 * (lane & 3), nch = (K + 31) / 32;
+    for (int c = c0; c < nch; c += U * cs) {
+        uint4 wa[U], wb[U], xv[U][2];
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            if (c + u * cs >= nch) break;                      /* the same for the whole warp */
+            const int k = (c + u * cs) * 32 + kl, kk = min(k, K - 8);
+            wa[u] = ld_stream(w0 + kk);
+            wb[u] = ld_stream(w1 + kk);
+            xv[u][0] = few_x8(x0 + kk);
+            if (HALVES == 2) xv[u][1] = few_x8(x1 + kk);
+            if (k >= K) xv[u][0] = xv[u][1] = make_uint4(0, 0, 0, 0);   /* past K (K % 32 != 0): adds nothing */
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            if (c + u * cs >= nch) break;
+#pragma unroll
+            for (int s = 0; s < 2; s++) {
+                const uint32_t a[4] = {s ? wa[u].z : wa[u].x, s ? wb[u].z : wb[u].x,
+                                       s ? wa[u].w : wa[u].y, s ? wb[u].w : wb[u].y};
+#pragma unroll
+                for (int h = 0; h < HALVES; h++)
+                    mma_bf16(acc[h], a, s ? xv[u][h].z : xv[u][h].x, s ? xv[u][h].w : xv[u][h].y);
+            }
+        }
+    }
+}
+
+/* y[t, r] = beta * y[t, r] + W[r, :] . x[t, :] for n <= 16 tokens (x rows of `in` values, bf16 or f32). A block: 8
+ * warps on 8 / KS tiles of 16 rows, KS warps splitting a tile's chunks (then summed through shared memory, in warp
+ * order), so small matrices (o_proj: 128 tiles, the router: 16) still spread over the GPU. Measured at 16 tokens
+ * (dev/few_lab, H200) it beats cuBLAS only on small matrices (the router), so gemm() sends it those (few_max). */
+template <typename X, int KS, int HALVES>
+__global__ void __launch_bounds__(256) gemm_few(float *y, int ldy, const bf16 *W, int out, int in, const X *x, int n,
+                                                float beta) {
+    __shared__ float part[8][8][32];                           /* [warp][acc value][lane] */
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int r0 = (blockIdx.x * (8 / KS) + warp / KS) * 16, ks = warp % KS;
+    float acc[2][4] = {};
+    if (r0 < out)
+        few_rows<X, HALVES, 4>(acc, W + (size_t)min(r0 + g, out - 1) * in, W + (size_t)min(r0 + g + 8, out - 1) * in,
+                               x + (size_t)min(g, n - 1) * in, x + (size_t)min(g + 8, n - 1) * in, in, ks, KS, lane);
+    if (KS > 1) {
+        if (ks)
+#pragma unroll
+            for (int i = 0; i < 8; i++) part[warp][i][lane] = acc[i / 4][i % 4];
+        __syncthreads();
+        if (ks) return;
+        for (int j = 1; j < KS; j++)
+#pragma unroll
+            for (int i = 0; i < 8; i++) acc[i / 4][i % 4] += part[warp + j][i][lane];
+    }
+#pragma unroll
+    for (int h = 0; h < HALVES; h++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int r = r0 + g + (i & 2 ? 8 : 0), tok = 8 * h + 2 * t + (i & 1);
+            if (r < out && tok < n) {
+                float *p = y + (size_t)tok * ldy + r;
+                *p = beta != 0.0f ? beta * *p + acc[h][i] : acc[h][i];
+            }
+        }
+}
+
+/* the experts' gate/up for a few tokens, bf16: act = silu(x . gate_j) * (x . up_j) in bf16, for every pair of each
+ * active expert (sorted pair order: act[first + i]) and every token through the always-on matrix (act_s). A warp owns
+ * 8 hidden units j0 .. j0 + 7: its 16 mma rows are their gate rows (g) and up rows (g + 8), so lane (g, t) ends with
+ * gate and up of unit j0 + g for its tokens and applies the SwiGLU itself. A block: 64 units of one expert. An
+ * expert has at most n <= 16 pairs (a token picks an expert once). */
+__global__ void __launch_bounds__(256) moe_gate_up_few(const bf16 *experts_gu, int I, const bf16 *always_gu, int S,
+                                                      int H, const bf16 *x, int n, const int *start,
+                                                      const int *pair_tok, const int *active, const int *n_active,
+                                                      int max_active, bf16 *act, bf16 *act_s) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, nb = (I + 63) / 64;
+    int b = blockIdx.x, j0, hid, cnt;
+    const bf16 *base;
+    const int *toks = NULL;
+    bf16 *out;
+    if (b < max_active * nb) {
+        const int a = b / nb;
+        if (a >= *n_active) return;
+        const int e = active[a], first = start[e];
+        j0 = (b % nb) * 64 + warp * 8;
+        hid = I;
+        base = experts_gu + (size_t)e * 2 * I * H;
+        cnt = start[e + 1] - first;
+        toks = pair_tok + first;
+        out = act + (size_t)first * I;
+    } else {
+        j0 = (b - max_active * nb) * 64 + warp * 8;
+        hid = S;
+        base = always_gu;
+        cnt = n;
+        out = act_s;
+    }
+    if (j0 >= hid) return;
+    const int j = min(j0 + g, hid - 1);
+    const int s0 = min(g, cnt - 1), s1 = min(g + 8, cnt - 1);  /* the lane's two token slots */
+    const bf16 *x0 = x + (size_t)(toks ? toks[s0] : s0) * H, *x1 = x + (size_t)(toks ? toks[s1] : s1) * H;
+    float acc[2][4] = {};
+    const bf16 *wg = base + (size_t)j * H, *wu = base + (size_t)(hid + j) * H;
+    if (cnt > 8) few_rows<bf16, 2, 4>(acc, wg, wu, x0, x1, H, 0, 1, lane);
+    else few_rows<bf16, 1, 4>(acc, wg, wu, x0, x1, H, 0, 1, lane);
+    if (j0 + g >= hid) return;
+#pragma unroll
+    for (int h = 0; h < 2; h++)
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            const int slot = 8 * h + 2 * t + i;
+            if (slot < cnt) out[(size_t)slot * hid + j] = __float2bfloat16(silu(acc[h][i]) * acc[h][2 + i]);
+        }
+}
+
+/* the experts' down projections for a few tokens, bf16: y_pair[first + i] = down_e . act[first + i] for each pair,
+ * ys[t] = always_down . act_s[t]. A warp owns 16 rows of H, a block 128 rows of one expert. */
+__global__ void __launch_bounds__(256) moe_down_few(const bf16 *experts_down, int I, const bf16 *always_down, int S,
+                                                   int H, int n, const int *start, const int *active,
+                                                   const int *n_active, int max_active, const bf16 *act,
+                                                   const bf16 *act_s, float *y_pair, float *ys) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, nb = (H + 127) / 128;
+    int b = blockIdx.x, r0, hid, cnt;
+    const bf16 *base, *xin;
+    float *out;
+    if (b < max_active * nb) {
+        const int a = b / nb;
+        if (a >= *n_active) return;
+        const int e = active[a], first = start[e];
+        r0 = (b % nb) * 128 + warp * 16;
+        hid = I;
+        base = experts_down + (size_t)e * H * I;
+        cnt = start[e + 1] - first;
+        xin = act + (size_t)first * I;
+        out = y_pair + (size_t)first * H;
+    } else {
+        r0 = (b - max_active * nb) * 128 + warp * 16;
+        hid = S;                                               /* 0 without a shared expert: ys = 0 */
+        base = always_down;
+        cnt = n;
+        xin = act_s;
+        out = ys;
+    }
+    if (r0 >= H) return;
+    const int s0 = min(g, cnt - 1), s1 = min(g + 8, cnt - 1);
+    const bf16 *w0 = base + (size_t)min(r0 + g, H - 1) * hid, *w1 = base + (size_t)min(r0 + g + 8, H - 1) * hid;
+    float acc[2][4] = {};
+    if (cnt > 8) few_rows<bf16, 2, 4>(acc, w0, w1, xin + (size_t)s0 * hid, xin + (size_t)s1 * hid, hid, 0, 1, lane);
+    else few_rows<bf16, 1, 4>(acc, w0, w1, xin + (size_t)s0 * hid, xin, hid, 0, 1, lane);
+#pragma unroll
+    for (int h = 0; h < 2; h++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int r = r0 + g + (i & 2 ? 8 : 0), slot = 8 * h + 2 * t + (i & 1);
+            if (r < H && slot < cnt) out[(size_t)slot * H + r] = acc[h][i];
+        }
+}
+
+/* x[t] += ys[t] + scaling * sum_j w_j * y_pair[(t, j)], the slots summed in ascending expert id. Block (t, y): 256
+ * values of token t (it was one block a token looping over H; this grid and route_few's warp a token took the
+ * 16-token verification's cuBLAS path from 14.36 to 13.85 ms: dev/gpu_notes.md, round 12) */
 __global__ void moe_combine(float *x, const float *y_pair, const float *ys, const int *inv, const int *topk_idx,
                             const float *topk_w, int K, int H, float scaling) {
     __shared__ int order[64];
@@ -2196,7 +2377,7 @@ __global__ void moe_combine(float *x, const float *y_pair, const float *ys, cons
             }
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < H; i += blockDim.x) {
+    for (int i = blockIdx.y * blockDim.x + threadIdx.x; i < H; i += gridDim.y * blockDim.x) {
         float acc = 0.0f;
         for (int j = 0; j < K; j++) {
             int p = t * K + order[j];
@@ -2646,6 +2827,10 @@ struct GpuModel {
     int dup, nlaunch;        /* LAGUNA_DUP=k: the k-th decode launch of every layer enqueued twice (a timing hook) */
     int down_warp;           /* LAGUNA_DOWN_WARP=1: decode's down projections by moe_down_decode (q8 / q4's kernel) */
     int qwarp;               /* LAGUNA_QWARP=1: q8 / q4 decode matvecs and experts by the warp kernels, not column slices */
+    int few;                 /* bf16 GEMMs and experts of 2..16 tokens on tensor cores (gemm_few; LAGUNA_NO_FEW=1: cuBLAS
+                                and the warp kernels, a test and timing hook) */
+    double few_max;          /* gemm_few for matrices of at most this many elements, cuBLAS above (LAGUNA_FEW_MAX: a timing
+                                hook) */
     int split_cols;          /* o_proj by column slices over a cluster (LAGUNA_NO_SPLIT_COLS=1: the block-rows kernel) */
     /* LAGUNA_PROF=1 (a timing hook, dev/bench_gpu): forwards of 2..64 tokens (verification) record an event after
      * each step; the time between events is summed per step name and printed by gpu_free */
@@ -2672,6 +2857,7 @@ struct GpuModel {
     float2 *part_ml;
     void *act16;             /* GEMM inputs in the weights' dtype */
     void *x_sorted, *act_sorted;
+    bf16 *act_few;           /* n <= 16, bf16: the experts' SwiGLU outputs [16 * K, I], then the shared expert's [16, S] */
     int *tokens, *pos, *topk_idx, *start, *pair_tok, *inv, *active, *n_active;
     int *blk_cnt, *tile_start;  /* n > 1 routing: per-block expert counts/offsets [T/ROUTE_TOK + 1, E]; GEMM m-tiles [E + 1] */
     int *counters;           /* last-block-done counters: [0] router_decode, [1 + kv head] attention_decode */
@@ -2965,6 +3151,8 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
     g->split_cols = getenv("LAGUNA_NO_SPLIT_COLS") == NULL;
     g->down_warp = getenv("LAGUNA_DOWN_WARP") != NULL;     /* so the tests reach that path in bf16 / f32 */
     g->qwarp = getenv("LAGUNA_QWARP") != NULL;            /* so the tests reach those kernels */
+    g->few = getenv("LAGUNA_NO_FEW") == NULL;
+    g->few_max = getenv("LAGUNA_FEW_MAX") ? atof(getenv("LAGUNA_FEW_MAX")) : 4194304.0;   /* 8 MB of bf16 */
     int D = c->head_dim, H = c->dim, KVD = c->kv_dim, T = max_tokens, E = c->n_experts, K = c->n_experts_active;
     /* formats: the matmul weights all quantized alike (q8 or q4) or none of them; the embedding (and with it a tied
      * lm_head) and lm_head may be quantized on their own (export.py: the embedding is q8 in q4 files too); the
@@ -3089,6 +3277,7 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
         ALLOC(g->ys, (size_t)T * H, float);
         ALLOC(g->x_sorted, (P + T) * H * dsize(g), char);   /* + T rows: padding reads past the last expert */
         ALLOC(g->act_sorted, 2 * P * I * dsize(g), char);
+        if (g->bf) ALLOC(g->act_few, (size_t)(T < 16 ? T : 16) * (K * I + S), bf16);
         ALLOC(g->gptr, 7 * (size_t)E, void *);              /* 6 pointer arrays and the expert ranks */
         ALLOC(g->blk_cnt, ((size_t)T / ROUTE_TOK + 1) * E, int);
         ALLOC(g->tile_start, E + 1, int);
@@ -3168,7 +3357,7 @@ extern "C" void gpu_free(GpuModel *g) {
                    g->part_o, g->part_ml, g->tokens, g->pos, g->d_step, g->counters, g->router_logits, g->topk_idx, g->topk_w,
                    g->pair_w, g->pair_tok, g->inv, g->start, g->active, g->n_active, g->h_pair, g->hs, g->y_pair,
                    g->ys, g->x_sorted, g->act_sorted, g->gptr, g->blk_cnt, g->tile_start, g->ids, g->taps, g->cat,
-                   g->ctxv, g->wdq};
+                   g->ctxv, g->wdq, g->act_few};
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++) if (dev[i]) cudaFree(dev[i]);
     void *host[] = {g->h_tokens, g->h_logits, g->h_step, g->h_start, g->h_gptr, g->h_ids};
     for (size_t i = 0; i < sizeof host / sizeof host[0]; i++) if (host[i]) cudaFreeHost(host[i]);
@@ -3194,12 +3383,27 @@ static void dequantize(GpuModel *g, int dt, const void *w, size_t total_rows, in
     LAUNCH_CHECK();
 }
 
+/* whether n tokens through bf16 weights (wdt; -1: the file's unquantized dtype) take the tensor-core kernels for a
+ * few tokens (gemm_few, moe_gate_up_few, moe_down_few) */
+static int few_ok(const GpuModel *g, int n, int wdt) {
+    return g->few && g->bf && n <= 16 && (wdt == -1 || wdt == DT_BF16);
+}
+/* gemm_few only for matrices of up to few_max elements: at 16 tokens on the H200 (dev/few_lab) it beat cuBLAS on the
+ * router (256 x 2048: 6.1 against 10.5 us) and lost on the big ones (q/k/v/g 19.7 against 15.4, o_proj 22.8 / 15.0,
+ * lm_head 124 / 105), whose many tiles cuBLAS keeps streaming; the experts' few-token kernels win at every size */
+static void gemm_few_launch(GpuModel *g, float *y, int ldy, const bf16 *W, int out, int in, const void *x, int x_bf16,
+                            int n, float beta);
+
 /* y[n, out] = beta * y + x[n, in] . W[out, in]^T  (cuBLAS; bf16 weights take a bf16 copy of x). A q8 / q4 W (wdt)
  * is dequantized first, to bf16 (bf16 files) or f32 (files from f32 checkpoints). */
 static void gemm(GpuModel *g, float *y, int ldy, const void *W, int out, int in, const float *x, int n, float beta,
                  int wdt = -1, int x_in_act16 = 0) {
     const float one = 1.0f;
     const void *xin = g->bf && x_in_act16 ? g->act16 : x;   /* x_in_act16: norm_rows left x in act16 already */
+    if (few_ok(g, n, wdt) && in % 8 == 0 && (double)out * in <= g->few_max) {   /* gemm_few, x as it is (bf16 or f32) */
+        gemm_few_launch(g, y, ldy, (const bf16 *)W, out, in, xin, x_in_act16, n, beta);
+        return;
+    }
     if (is_quant(wdt)) {
         dequantize(g, wdt, W, out, in, out, 0, NULL, NULL);
         W = g->wdq;
@@ -3294,6 +3498,21 @@ static void launch(GpuModel *g, void (*kernel)(P...), dim3 grid, dim3 block, siz
     /* LAGUNA_DUP=k (dev/device_decode.sh): the k-th launch of each layer's decode runs twice; the step's extra time
      * is that kernel's cost inside the graph (0 q/k/v/g, 1 attention, 2 o_proj, 3 router, 4 gate/up, 5 down) */
     if (g->pdl_now && g->nlaunch++ == g->dup) CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, ((P)args)...));
+}
+
+/* gemm_few over out / 16 tiles: the fewest warps a tile (KS) that still give every SM two blocks */
+static void gemm_few_launch(GpuModel *g, float *y, int ldy, const bf16 *W, int out, int in, const void *x, int x_bf16,
+                            int n, float beta) {
+    int tiles = (out + 15) / 16, ks = 1;
+    while (ks < 8 && (tiles * ks + 7) / 8 < 2 * g->nsm) ks *= 2;
+    dim3 grid((tiles * ks + 7) / 8);
+#define FEW(X, KS) do { if (n > 8) gemm_few<X, KS, 2><<<grid, 256, 0, g->stream>>>(y, ldy, W, out, in, (const X *)x, n, beta); \
+                        else gemm_few<X, KS, 1><<<grid, 256, 0, g->stream>>>(y, ldy, W, out, in, (const X *)x, n, beta); } while (0)
+#define FEW_KS(X) switch (ks) { case 1: FEW(X, 1); break; case 2: FEW(X, 2); break; case 4: FEW(X, 4); break; default: FEW(X, 8); }
+    if (x_bf16) FEW_KS(bf16) else FEW_KS(float)
+#undef FEW_KS
+#undef FEW
+    LAUNCH_CHECK();
 }
 
 /* the decode matvec: 8 weight loads per thread, spread over ROWS rows x NCH chunks per row (in <= 256 * CH * NCH).
@@ -3522,7 +3741,8 @@ static void moe_many(GpuModel *g, int l, int n) {
     /* route and sort the pairs by expert (multi-block; see route_many_topk) */
     int nblk = (n + ROUTE_TOK - 1) / ROUTE_TOK, bm = moe_bm(P, E);
     if (nblk == 1) {                                /* a few tokens: one launch */
-        route_few<<<1, E < 256 ? 256 : (E + 31) / 32 * 32, E * sizeof(int), g->stream>>>(g->router_logits,
+        int thr = max(E < 256 ? 256 : (E + 31) / 32 * 32, min(1024, 32 * n));   /* >= E threads, a warp a token */
+        route_few<<<1, thr, E * sizeof(int), g->stream>>>(g->router_logits,
             L->expert_bias, n, E, K, c->router_softcap, g->topk_idx, g->topk_w, g->blk_cnt, bm, g->start, g->active,
             g->n_active, g->tile_start, g->pair_tok, g->pair_w, g->inv);
         LAUNCH_CHECK();
@@ -3539,7 +3759,20 @@ static void moe_many(GpuModel *g, int l, int n) {
     }
     prof_mark(g, "router");
     int max_active = P < E ? P : E;
-    if (P <= 512) {
+    if (few_ok(g, n, DT) && H % 8 == 0 && I % 8 == 0 && S % 8 == 0) {
+        /* a few tokens, bf16 (verification): the active experts' rows read once, the tokens on tensor cores */
+        bf16 *act_s = g->act_few + (size_t)n * K * I;
+        moe_gate_up_few<<<max_active * ((I + 63) / 64) + (S + 63) / 64, 256, 0, g->stream>>>(
+            (const bf16 *)L->experts_gate_up, I, (const bf16 *)L->gate_up, S, H, (const bf16 *)g->act16, n, g->start,
+            g->pair_tok, g->active, g->n_active, max_active, g->act_few, act_s);
+        LAUNCH_CHECK();
+        prof_mark(g, "experts gate/up");
+        moe_down_few<<<(max_active + 1) * ((H + 127) / 128), 256, 0, g->stream>>>(
+            (const bf16 *)L->experts_down, I, (const bf16 *)L->down, S, H, n, g->start, g->active, g->n_active,
+            max_active, g->act_few, act_s, g->y_pair, g->ys);
+        LAUNCH_CHECK();
+        prof_mark(g, "experts down");
+    } else if (P <= 512) {
         /* a few tokens (verification): one launch over the active experts' rows, each read once */
         moe_gate_up<W><<<max_active * ((I + 7) / 8) + (S + 7) / 8, 256, 0, g->stream>>>(
             wmat(DT, L->experts_gate_up, (size_t)E * 2 * I, H), I, wmat(DT, L->gate_up, 2 * (size_t)S, H), S, H, g->xb, n,
@@ -3636,7 +3869,7 @@ static void moe_many(GpuModel *g, int l, int n) {
         }
         moe_shared_many(g, L, n);
     }
-    moe_combine<<<n, 256, 0, g->stream>>>(g->x, g->y_pair, g->ys, g->inv, g->topk_idx, g->topk_w, K, H, c->routed_scaling);
+    moe_combine<<<dim3(n, (H + 255) / 256), 256, 0, g->stream>>>(g->x, g->y_pair, g->ys, g->inv, g->topk_idx, g->topk_w, K, H, c->routed_scaling);
     LAUNCH_CHECK();
     prof_mark(g, "moe combine");
 }

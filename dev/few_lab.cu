@@ -1,0 +1,220 @@
+/* dev/few_lab.cu -- kernel lab for the few-token tensor-core kernels (make dev/few_lab && ./dev/few_lab).
+ *
+ * gemm_few (y = W x for 2..16 tokens, bf16 W, x in bf16 or f32) and the experts' moe_gate_up_few / moe_down_few on
+ * random data, checked against a CPU double-precision reference on the same bf16-rounded inputs, and timed against
+ * cuBLAS (what n > 1 GEMMs used before) and the warp-per-row expert kernels (moe_gate_up / moe_down). Shapes: the
+ * XS-2.1 verification's (q/k/v/g 10304 x 2048, o_proj 2048 x 8192, the router 256 x 2048, lm_head 100352 x 2048; 16
+ * tokens top-8 of 256 experts, I 512, shared 512) and odd small ones (rows not a multiple of 16, K not a multiple
+ * of 32, fewer than 8 tokens). Matrices smaller than 256 MB are timed over rotating copies so L2 does not serve
+ * them. GB/s = weight bytes / time. Exit code 1 if a check fails. */
+#include "../laguna.cu"
+
+#include <algorithm>
+#include <vector>
+
+static float bf2f(bf16 v) { uint16_t b; memcpy(&b, &v, 2); uint32_t u = (uint32_t)b << 16; float f; memcpy(&f, &u, 4); return f; }
+static uint64_t rng = 88172645463325252ull;
+static float urand() { rng ^= rng << 13; rng ^= rng >> 7; rng ^= rng << 17; return (float)((rng >> 11) * (1.0 / 9007199254740992.0)) * 2 - 1; }
+static int fails = 0;
+
+static std::vector<bf16> rand_bf(size_t n, float a) {
+    std::vector<bf16> v(n);
+    for (size_t i = 0; i < n; i++) v[i] = __float2bfloat16(a * urand());
+    return v;
+}
+template <typename T> static T *up(const std::vector<T> &v) {
+    T *d;
+    CUDA_CHECK(cudaMalloc(&d, v.size() * sizeof(T)));
+    CUDA_CHECK(cudaMemcpy(d, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+    return d;
+}
+template <typename F> static float time_ms(F f, int reps) {   /* mean of reps after one warm-up */
+    cudaEvent_t a, b;
+    CUDA_CHECK(cudaEventCreate(&a));
+    CUDA_CHECK(cudaEventCreate(&b));
+    f(0);
+    CUDA_CHECK(cudaEventRecord(a));
+    for (int i = 0; i < reps; i++) f(i + 1);
+    CUDA_CHECK(cudaEventRecord(b));
+    CUDA_CHECK(cudaEventSynchronize(b));
+    float ms;
+    CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+    return ms / reps;
+}
+static void check(const char *what, double err, double bar) {
+    if (!(err <= bar)) fails++;
+    printf("  %-44s max |err| / scale %.2e (bar %.0e)%s\n", what, err, bar, err <= bar ? "" : "  FAIL");
+}
+
+/* gemm_few for one shape and token count, x in bf16 (xf32 = 0) or f32; beta 1 checks the accumulate */
+static void gemm_case(GpuModel *g, cublasHandle_t blas, int out, int in, int n, int xf32, float beta, int timed) {
+    size_t wn = (size_t)out * in;
+    int copies = timed ? (int)std::min<size_t>(64, std::max<size_t>(1, (256ull << 20) / (wn * 2) + 1)) : 1;
+    std::vector<bf16> w = rand_bf(wn, 0.05f), xb = rand_bf((size_t)n * in, 1.0f);
+    std::vector<float> xf((size_t)n * in), y0((size_t)n * out);
+    for (size_t i = 0; i < xf.size(); i++) xf[i] = xf32 ? urand() : bf2f(xb[i]);
+    for (auto &v : y0) v = urand();
+    bf16 *dw;
+    CUDA_CHECK(cudaMalloc(&dw, wn * 2 * copies));
+    for (int c = 0; c < copies; c++) CUDA_CHECK(cudaMemcpy(dw + wn * c, w.data(), wn * 2, cudaMemcpyHostToDevice));
+    bf16 *dxb = up(xb);
+    float *dxf = up(xf), *dy = up(y0);
+    const void *x = xf32 ? (const void *)dxf : (const void *)dxb;
+    gemm_few_launch(g, dy, out, dw, out, in, x, !xf32, n, beta);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<float> y((size_t)n * out);
+    CUDA_CHECK(cudaMemcpy(y.data(), dy, y.size() * 4, cudaMemcpyDeviceToHost));
+    double err = 0, scale = 0;
+    for (int t = 0; t < n; t++)
+        for (int r = 0; r < out; r++) {
+            double s = 0;
+            for (int k = 0; k < in; k++) s += (double)bf2f(w[(size_t)r * in + k]) * bf2f(__float2bfloat16(xf[(size_t)t * in + k]));
+            s += beta * y0[(size_t)t * out + r];
+            err = std::max(err, fabs(s - y[(size_t)t * out + r]));
+            scale = std::max(scale, fabs(s));
+        }
+    char what[96];
+    snprintf(what, sizeof what, "%6d x %5d, %2d tokens, x %s, beta %g", out, in, n, xf32 ? "f32" : "bf16", beta);
+    check(what, err / scale, 1e-5);
+    if (timed) {
+        const float one = 1.0f, zero = 0.0f;
+        float t_few = time_ms([&](int i) { gemm_few_launch(g, dy, out, dw + wn * (i % copies), out, in, x, !xf32, n, 0.0f); }, 50);
+        float t_blas = time_ms([&](int i) {
+            CUBLAS_CHECK(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, out, n, in, &one, dw + wn * (i % copies), CUDA_R_16BF, in,
+                                      dxb, CUDA_R_16BF, in, &zero, dy, CUDA_R_32F, out, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+        }, 50);
+        printf("    gemm_few %7.2f us (%6.0f GB/s)   cuBLAS %7.2f us (%6.0f GB/s)\n", 1e3 * t_few, wn * 2 / (1e6 * t_few),
+               1e3 * t_blas, wn * 2 / (1e6 * t_blas));
+    }
+    CUDA_CHECK(cudaFree(dw)); CUDA_CHECK(cudaFree(dxb)); CUDA_CHECK(cudaFree(dxf)); CUDA_CHECK(cudaFree(dy));
+}
+
+/* the experts of n tokens (top-K of E, uniform routing): moe_gate_up_few + moe_down_few against the CPU, timed
+ * against moe_gate_up + moe_down (the warp-per-row kernels, f32 activations) */
+static void moe_case(int E, int K, int H, int I, int S, int n, int timed) {
+    std::vector<int> topk(n * K);
+    for (int t = 0; t < n; t++)
+        for (int j = 0; j < K; j++) {
+            int e;
+            do { e = (int)((urand() + 1) * 0.5f * E) % E; } while (std::find(&topk[t * K], &topk[t * K + j], e) != &topk[t * K + j]);
+            topk[t * K + j] = e;
+        }
+    std::vector<int> start(E + 1, 0), active, pair_tok;   /* pairs sorted by expert, then token */
+    for (int p = 0; p < n * K; p++) start[topk[p] + 1]++;
+    for (int e = 0; e < E; e++) { if (start[e + 1]) active.push_back(e); start[e + 1] += start[e]; }
+    for (int e = 0; e < E; e++)
+        for (int p = 0; p < n * K; p++) if (topk[p] == e) pair_tok.push_back(p / K);
+    int na = (int)active.size(), P = n * K, max_active = std::min(P, E);
+    std::vector<bf16> egu = rand_bf((size_t)E * 2 * I * H, 0.05f), edn = rand_bf((size_t)E * H * I, 0.05f),
+                      sgu = rand_bf((size_t)2 * S * H, 0.05f), sdn = rand_bf((size_t)H * S, 0.05f), x = rand_bf((size_t)n * H, 1.0f);
+    std::vector<float> xf((size_t)n * H);
+    for (size_t i = 0; i < xf.size(); i++) xf[i] = bf2f(x[i]);
+    bf16 *d_egu = up(egu), *d_edn = up(edn), *d_sgu = up(sgu), *d_sdn = up(sdn), *d_x = up(x);
+    float *d_xf = up(xf);
+    std::vector<int> na_v(1, na);
+    int *d_start = up(start), *d_active = up(active), *d_tok = up(pair_tok), *d_na = up(na_v);
+    bf16 *d_act;
+    float *d_yp, *d_ys, *d_hp, *d_hs;
+    CUDA_CHECK(cudaMalloc(&d_act, ((size_t)P * I + (size_t)n * S) * 2));
+    CUDA_CHECK(cudaMalloc(&d_yp, (size_t)P * H * 4));
+    CUDA_CHECK(cudaMalloc(&d_ys, (size_t)n * H * 4));
+    CUDA_CHECK(cudaMalloc(&d_hp, (size_t)P * I * 4));
+    CUDA_CHECK(cudaMalloc(&d_hs, (size_t)n * S * 4));
+    bf16 *d_acts = d_act + (size_t)P * I;
+    auto run_few = [&]() {
+        moe_gate_up_few<<<max_active * ((I + 63) / 64) + (S + 63) / 64, 256>>>(d_egu, I, d_sgu, S, H, d_x, n, d_start, d_tok,
+            d_active, d_na, max_active, d_act, d_acts);
+        moe_down_few<<<(max_active + 1) * ((H + 127) / 128), 256>>>(d_edn, I, d_sdn, S, H, n, d_start, d_active, d_na,
+            max_active, d_act, d_acts, d_yp, d_ys);
+    };
+    run_few();
+    CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<bf16> act((size_t)P * I + (size_t)n * S);
+    std::vector<float> yp((size_t)P * H), ys((size_t)n * H);
+    CUDA_CHECK(cudaMemcpy(act.data(), d_act, act.size() * 2, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(yp.data(), d_yp, yp.size() * 4, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(ys.data(), d_ys, ys.size() * 4, cudaMemcpyDeviceToHost));
+    /* CPU: gate/up of every pair and token (double), against the kernel's bf16 SwiGLU; down from the kernel's act */
+    double e_act = 0, s_act = 0, e_y = 0, s_y = 0;
+    auto gu = [&](const bf16 *wg, const bf16 *wu, int t) {
+        double a = 0, b = 0;
+        for (int k = 0; k < H; k++) { a += (double)bf2f(wg[k]) * xf[(size_t)t * H + k]; b += (double)bf2f(wu[k]) * xf[(size_t)t * H + k]; }
+        return a / (1 + exp(-a)) * b;
+    };
+    for (int e = 0; e < E; e++)
+        for (int p = start[e]; p < start[e + 1]; p++)
+            for (int j = 0; j < I; j++) {
+                double r = gu(&egu[((size_t)e * 2 * I + j) * H], &egu[((size_t)e * 2 * I + I + j) * H], pair_tok[p]);
+                e_act = std::max(e_act, fabs(r - bf2f(act[(size_t)p * I + j])));
+                s_act = std::max(s_act, fabs(r));
+            }
+    for (int t = 0; t < n; t++)
+        for (int j = 0; j < S; j++) {
+            double r = gu(&sgu[(size_t)j * H], &sgu[(size_t)(S + j) * H], t);
+            e_act = std::max(e_act, fabs(r - bf2f(act[(size_t)P * I + (size_t)t * S + j])));
+            s_act = std::max(s_act, fabs(r));
+        }
+    for (int e = 0; e < E; e++)
+        for (int p = start[e]; p < start[e + 1]; p++)
+            for (int r = 0; r < H; r++) {
+                double s = 0;
+                for (int k = 0; k < I; k++) s += (double)bf2f(edn[((size_t)e * H + r) * I + k]) * bf2f(act[(size_t)p * I + k]);
+                e_y = std::max(e_y, fabs(s - yp[(size_t)p * H + r]));
+                s_y = std::max(s_y, fabs(s));
+            }
+    for (int t = 0; t < n; t++)
+        for (int r = 0; r < H; r++) {
+            double s = 0;
+            for (int k = 0; k < S; k++) s += (double)bf2f(sdn[(size_t)r * S + k]) * bf2f(act[(size_t)P * I + (size_t)t * S + k]);
+            e_y = std::max(e_y, fabs(s - ys[(size_t)t * H + r]));
+            s_y = std::max(s_y, fabs(s ? s : 1e-30));
+        }
+    char what[96];
+    snprintf(what, sizeof what, "moe_gate_up_few E %d top-%d H %d I %d S %d, %d tokens", E, K, H, I, S, n);
+    check(what, e_act / s_act, 8e-3);                 /* bf16 outputs: half an ulp is 2^-9 of the value */
+    snprintf(what, sizeof what, "moe_down_few (%d active experts)", na);
+    check(what, e_y / s_y, 1e-5);
+    if (timed) {
+        double bytes = ((double)na * 3 * I * H + 3.0 * S * H) * 2;
+        float t_few = time_ms([&](int) { run_few(); }, 30);
+        float t_warp = time_ms([&](int) {
+            moe_gate_up<bf16><<<max_active * ((I + 7) / 8) + (S + 7) / 8, 256>>>(WPtr(d_egu), I, WPtr(d_sgu), S, H, d_xf, n,
+                d_start, d_tok, d_active, d_na, max_active, d_hp, d_hs);
+            moe_down<bf16, 4><<<max_active * ((H + 31) / 32) + (H + 31) / 32, 256>>>(WPtr(d_edn), I, WPtr(d_sdn), S, H, n,
+                d_start, d_active, d_na, max_active, d_hp, d_hs, d_yp, d_ys);
+        }, 30);
+        printf("    few %7.2f us (%6.0f GB/s)   warp kernels %7.2f us (%6.0f GB/s), %.1f MB\n", 1e3 * t_few,
+               bytes / (1e6 * t_few), 1e3 * t_warp, bytes / (1e6 * t_warp), bytes / 1e6);
+    }
+    void *fr[] = {d_egu, d_edn, d_sgu, d_sdn, d_x, d_xf, d_start, d_active, d_tok, d_na, d_act, d_yp, d_ys, d_hp, d_hs};
+    for (void *p : fr) CUDA_CHECK(cudaFree(p));
+}
+
+int main() {
+    cudaDeviceProp prop;
+    CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+    GpuModel g = {};
+    g.nsm = prop.multiProcessorCount;
+    g.few = g.bf = 1;
+    g.cc_major = prop.major;
+    g.dup = -1;
+    cublasHandle_t blas;
+    CUBLAS_CHECK(cublasCreate(&blas));
+    printf("%s, %d SMs\ngemm_few (y = W x, bf16 W), the verification's shapes, 16 tokens:\n", prop.name, g.nsm);
+    gemm_case(&g, blas, 10304, 2048, 16, 0, 0.0f, 1);     /* q/k/v/g of a sliding layer */
+    gemm_case(&g, blas, 2048, 8192, 16, 1, 1.0f, 1);      /* o_proj into the residual, f32 input */
+    gemm_case(&g, blas, 256, 2048, 16, 0, 0.0f, 1);       /* the router */
+    gemm_case(&g, blas, 100352, 2048, 16, 0, 0.0f, 1);    /* lm_head, every row */
+    printf("odd shapes:\n");
+    int shapes[][3] = {{37, 72, 2}, {40, 40, 5}, {16, 8, 8}, {100, 264, 9}, {1000, 200, 16}, {24, 2056, 13}, {7, 96, 3}};
+    for (auto &s : shapes) { gemm_case(&g, blas, s[0], s[1], s[2], 0, 0.0f, 0); gemm_case(&g, blas, s[0], s[1], s[2], 1, 1.0f, 0); }
+    printf("experts:\n");
+    moe_case(256, 8, 2048, 512, 512, 16, 1);
+    moe_case(256, 8, 2048, 512, 512, 5, 1);
+    moe_case(16, 4, 64, 40, 24, 9, 0);
+    moe_case(8, 2, 72, 24, 0, 16, 0);                     /* no shared expert */
+    moe_case(32, 8, 136, 72, 40, 3, 0);
+    CUBLAS_CHECK(cublasDestroy(blas));
+    printf("%s\n", fails ? "FAILED" : "all checks passed");
+    return fails != 0;
+}
