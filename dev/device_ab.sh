@@ -2,6 +2,7 @@
 # dev/device_ab.sh -- decode speed of this tree (B) against another commit (A), alternating runs in one device call,
 # so machine-to-machine differences (a few %) do not pass for a change's effect.
 #   here:   bash dev/device_ab.sh --prepare main      (A's sources into .ab/, which .git/info/exclude must ignore)
+#   here:   bash dev/device_ab.sh --prepare-alt .alt1 '-DLAGUNA_X=2'   (optional: this tree built with other flags)
 #   device: run(command="OUT=$OUT bash dev/device_ab.sh", carry=[".ab"])
 # Builds both, exports the XS-2.1 synthetic file in each of $DTYPES (default bf16 q4 q8), then for each file runs
 # dev/bench_gpu at $CTX (default 512) $ROUNDS times (default 3) A, B, A, B, ... and prints each run and the means.
@@ -13,6 +14,10 @@
 # $TRACE=1: B is also built with -DLAGUNA_TRACE and traces one decode step at 512 on the bf16 file (trace.csv.gz,
 # trace_summary.txt; dev/trace_summary.py's tables (b) and (c) also go to ab.txt); $TRACE_ENV (VAR=value words, several
 # sets separated by ';'): one more trace per set with that environment (trace_env1.csv.gz, ...; tables to ab.txt).
+# $LABS: kernel labs (make targets, e.g. "dev/few_lab") built with B and run once after the builds, before the
+# benches, their output into ab.txt.
+# $ALTS: more builds to time beside A and B (directories prepared here with --prepare-alt DIR 'NVCC -D flags': this tree's
+# sources built with those flags; carry them with .ab), run after A in every round, labelled by their directory.
 # $TESTS=1: then the GPU tests (make test-gpu's) on B until $DEADLINE s (default 585) after the start (a call is 600 s at most),
 # with $TEST_ENV (VAR=value words) in its environment: the tests' ./laguna runs inherit it; $TEST_K: only the tests
 # a pytest -k expression selects.
@@ -28,6 +33,15 @@ if [ "${1:-}" = --prepare ]; then
         tar -x -C .ab && echo "$(git rev-parse --short "$ref")" > .ab/REF && echo "A = $ref ($(cat .ab/REF)) in .ab/"
     exit
 fi
+if [ "${1:-}" = --prepare-alt ]; then
+    dir=${2:?usage: dev/device_ab.sh --prepare-alt DIR 'FLAGS'}; flags=${3:?usage: dev/device_ab.sh --prepare-alt DIR 'FLAGS'}
+    grep -qx "/${dir#./}/" .git/info/exclude || echo "/${dir#./}/" >> .git/info/exclude
+    rm -rf "$dir" && mkdir -p "$dir/dev"
+    cp Makefile laguna.c laguna.cu laguna.h tokenizer.c tokenizer.h tokenizer_unicode.h "$dir"/ && cp dev/bench_gpu.c "$dir/dev/"
+    sed -i "s|^NVCCFLAGS ?= \(.*\)|NVCCFLAGS ?= \1 $flags|" "$dir/Makefile"
+    echo "this tree with $flags" > "$dir/REF" && grep '^NVCCFLAGS' "$dir/Makefile"
+    exit
+fi
 [ -f .ab/Makefile ] || { echo "no .ab/: run 'bash dev/device_ab.sh --prepare COMMIT' here and carry .ab" >&2; exit 2; }
 OUT=${OUT:-/tmp/laguna_ab}
 mkdir -p "$OUT/runs"
@@ -39,19 +53,25 @@ DTYPES=${DTYPES:-bf16 q4 q8}
 EXP=$!
 ( cd .ab && make -j8 cuda dev/bench_gpu > "$OUT/build_a.log" 2>&1 ) &
 BA=$!
+BALT=
+for d in ${ALTS:-}; do ( cd $d && make -j8 cuda dev/bench_gpu > "$OUT/build_${d#.}.log" 2>&1 ) & BALT="$BALT $!"; done
 TR=; [ "${TRACE:-0}" = 1 ] && TR=laguna-cu-trace.o      # its own nvcc run, in parallel; linked below
-make -j8 cuda dev/bench_gpu $TR > "$OUT/build_b.log" 2>&1 || { tail -20 "$OUT/build_b.log" >> "$S"; exit 1; }
+make -j8 cuda dev/bench_gpu $TR ${LABS:-} > "$OUT/build_b.log" 2>&1 || { tail -20 "$OUT/build_b.log" >> "$S"; exit 1; }
 if [ -n "$TR" ]; then make dev/bench_gpu_trace >> "$OUT/build_b.log" 2>&1 || { tail -20 "$OUT/build_b.log" >> "$S"; exit 1; }; fi
 wait $BA || { tail -20 "$OUT/build_a.log" >> "$S"; exit 1; }
+for p in $BALT; do wait $p || { tail -20 "$OUT"/build_*alt*.log >> "$S"; exit 1; }; done
+for d in ${ALTS:-}; do echo "${d#.} = $(cat $d/REF)" >> "$S"; done
 echo "A = $(cat .ab/REF), B = this tree; built in $(( $(date +%s) - t0 )) s" >> "$S"
 wait $EXP || { tail -5 "$OUT/export.log" >> "$S"; exit 1; }   # no export running while timing
 echo "exported in $(( $(date +%s) - t0 )) s" >> "$S"
+for lab in ${LABS:-}; do echo "== $lab" >> "$S"; timeout 120 ./$lab >> "$S" 2>&1; echo "== $lab rc $?" >> "$S"; done
 CTX=${CTX:-512}
 for dt in $DTYPES; do
     f=/dev/shm/ab-$dt.bin
     for r in $(seq ${ROUNDS:-3}); do
-        for side in A ${VARIANTS:-default}; do
+        for side in A ${ALTS:-} ${VARIANTS:-default}; do
             bin=./dev/bench_gpu; label=B; [ $side = A ] && bin=./.ab/dev/bench_gpu && label=A
+            case " ${ALTS:-} " in *" $side "*) bin=$side/dev/bench_gpu; label=${side#.}; side=default;; esac
             [ $side != A ] && [ $side != default ] && label=B:$side
             log="$OUT/runs/$dt-${label//[:=,]/_}-$r.log"
             ( [ $side != A ] && [ $side != default ] && export ${side//,/ }
@@ -94,7 +114,7 @@ if [ -n "$TR" ] && [ -f /dev/shm/ab-bf16.bin ]; then
 fi
 rm -f /dev/shm/ab-*.bin
 echo "benches done in $(( $(date +%s) - t0 )) s" >> "$S"
-mv "$OUT/build_a.log" "$OUT/build_b.log" "$OUT/export.log" "$OUT/runs/" 2>/dev/null   # read on failure only (in ab.txt)
+mv "$OUT"/build_*.log "$OUT/export.log" "$OUT/runs/" 2>/dev/null   # read on failure only (in ab.txt)
 [ "${TESTS:-0}" = 1 ] || exit 0
 if [ -n "${TEST_K:-}" ]; then set -- -k "$TEST_K"; else set --; fi   # TEST_K: a pytest -k expression
 timeout $(( ${DEADLINE:-585} - ($(date +%s) - t0) )) env ${TEST_ENV:-} \
