@@ -53,13 +53,13 @@ DTYPES=${DTYPES:-bf16 q4 q8}
 EXP=$!
 ( cd .ab && make -j8 cuda dev/bench_gpu > "$OUT/build_a.log" 2>&1 ) &
 BA=$!
-BALT=
-for d in ${ALTS:-}; do ( cd $d && make -j8 cuda dev/bench_gpu > "$OUT/build_${d#.}.log" 2>&1 ) & BALT="$BALT $!"; done
+BALT=                                                   # "pid:dir" of each ALTS build
+for d in ${ALTS:-}; do ( cd $d && make -j8 cuda dev/bench_gpu > "$OUT/build_${d#.}.log" 2>&1 ) & BALT="$BALT $!:$d"; done
 TR=; [ "${TRACE:-0}" = 1 ] && TR=laguna-cu-trace.o      # its own nvcc run, in parallel; linked below
 make -j8 cuda dev/bench_gpu $TR ${LABS:-} > "$OUT/build_b.log" 2>&1 || { tail -20 "$OUT/build_b.log" >> "$S"; exit 1; }
 if [ -n "$TR" ]; then make dev/bench_gpu_trace >> "$OUT/build_b.log" 2>&1 || { tail -20 "$OUT/build_b.log" >> "$S"; exit 1; }; fi
 wait $BA || { tail -20 "$OUT/build_a.log" >> "$S"; exit 1; }
-for p in $BALT; do wait $p || { tail -20 "$OUT"/build_*alt*.log >> "$S"; exit 1; }; done
+for pd in $BALT; do d=${pd#*:}; wait ${pd%%:*} || { tail -20 "$OUT/build_${d#.}.log" >> "$S"; exit 1; }; done
 for d in ${ALTS:-}; do echo "${d#.} = $(cat $d/REF)" >> "$S"; done
 echo "A = $(cat .ab/REF), B = this tree; built in $(( $(date +%s) - t0 )) s" >> "$S"
 wait $EXP || { tail -5 "$OUT/export.log" >> "$S"; exit 1; }   # no export running while timing
