@@ -3394,8 +3394,9 @@ static int few_ok(const GpuModel *g, int n, int wdt) {
 static void gemm_few_launch(GpuModel *g, float *y, int ldy, const bf16 *W, int out, int in, const void *x, int x_bf16,
                             int n, float beta);
 
-/* y[n, out] = beta * y + x[n, in] . W[out, in]^T  (cuBLAS; bf16 weights take a bf16 copy of x). A q8 / q4 W (wdt)
- * is dequantized first, to bf16 (bf16 files) or f32 (files from f32 checkpoints). */
+/* y[n, out] = beta * y + x[n, in] . W[out, in]^T  (cuBLAS; bf16 weights take a bf16 copy of x; n <= 16 tokens through
+ * a bf16 matrix of at most few_max elements: gemm_few). A q8 / q4 W (wdt) is dequantized first, to bf16 (bf16 files)
+ * or f32 (files from f32 checkpoints). */
 static void gemm(GpuModel *g, float *y, int ldy, const void *W, int out, int in, const float *x, int n, float beta,
                  int wdt = -1, int x_in_act16 = 0) {
     const float one = 1.0f;
