@@ -1624,6 +1624,7 @@ __device__ void decode_route(const float *logits, const float *bias, int E, int 
         sel[e] = score[e] + bias[e];
     }
     __syncthreads();
+    TRACE_MARK(3);                                  /* (trace builds: the scores are in; router_decode's marks 0-2) */
     /* the rank: how many experts beat e (greater, or equal with a lower id). On the critical path of every MoE
      * layer, so one compare per expert, on float4 broadcasts: below e's float4 "beats" is t >= v, i.e. t > the
      * float just under v; from it on, t > v; then the ties in e's own float4 below e are added (a plain loop
@@ -1642,6 +1643,7 @@ __device__ void decode_route(const float *logits, const float *bias, int E, int 
         if (rank < K) { slot_e[rank] = e; slot_w[rank] = score[e]; }
     }
     __syncthreads();
+    TRACE_MARK(4);                                  /* the ranks are in */
     if (threadIdx.x < K) {
         int j = threadIdx.x, e = slot_e[j], k = 0;
         float sum = 0.0f;
