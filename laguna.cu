@@ -1603,49 +1603,61 @@ __device__ void route_token(float *lg, const float *bias, int E, int K, float so
     if (lane < K) wt[lane] /= sum;
 }
 
-/* One token's routing by one block (router_decode's last block): one thread per expert, its rank among score + bias
- * (descending, ties to the lower id: route_token's order) makes it slot `rank` when rank < K; the weights are
- * renormalised in slot order (as in laguna.c), then stored by ascending expert id, the pair order: ae[k], aw[k]
- * (shared memory). Every thread of the block calls it. Logits are read through L2 (__ldcg): other blocks wrote them.
- * (Run instead in every block of the expert kernels, it cost more than the fence and counter it saves: measured in
- * dev/gpu_notes.md.) */
+/* One token's routing by one block (router_decode's last block). An expert's rank is how many experts beat it
+ * (greater score + bias, or equal with a lower id: route_token's order); rank < K makes it slot `rank`. Only
+ * candidates are ranked: the block's threads form G >= K groups (lanes of a warp, G = 8, 16 or 32) and each group's
+ * best value belongs to a different expert, so the K-th best value is at least T, the smallest group best, and every
+ * expert that can be in the top K (or beat one that is) has a value >= T. The candidates (typically a few over K)
+ * are each ranked against the candidates alone. The weights are renormalised in slot order (as in laguna.c), then
+ * stored by ascending expert id, the pair order: ae[k], aw[k] (shared memory). Every thread of the block calls it.
+ * Logits are read through L2 (__ldcg): other blocks wrote them. (Ranking every expert against all E cost ~2 us a
+ * layer; one warp picking the K by redux.sync was slower still; run in every block of the expert kernels, the
+ * routing cost more than the fence and counter it saves: dev/gpu_notes.md.) */
 __device__ void decode_route(const float *logits, const float *bias, int E, int K, float softcap, int *ae,
                              float *aw) {
     __shared__ float score[1024];
-    __shared__ __align__(16) float sel[1024];
+    __shared__ float sel[1024];
+    __shared__ float2 cand[1024];                   /* (value, expert id as bits) */
+    __shared__ float gbest[32];
+    __shared__ int n_cand;
     __shared__ int slot_e[32];
     __shared__ float slot_w[32];
-    const int E4 = (E + 3) / 4;
-    for (int e = threadIdx.x; e < 4 * E4; e += blockDim.x) {
-        if (e >= E) { sel[e] = -INFINITY; continue; }    /* padding to whole float4s: ranks below every expert */
+    const int tid = threadIdx.x, nt = blockDim.x;
+    const int LG = K <= nt / 32 ? 32 : K <= nt / 16 ? 16 : 8;   /* lanes a group: nt / LG >= K groups (K <= 32) */
+    if (tid < K) { slot_e[tid] = tid; slot_w[tid] = 0.0f; }     /* NaN logits rank nowhere: slots stay valid ids */
+    if (tid == 0) n_cand = 0;
+    float best = -INFINITY;                         /* a group with no experts: -inf, so T = -inf, all ranked */
+    for (int e = tid; e < E; e += nt) {
         float v = __ldcg(logits + e);
         if (softcap > 0.0f) v = tanhf(v / softcap) * softcap;
         score[e] = 1.0f / (1.0f + expf(-v));
         sel[e] = score[e] + bias[e];
+        best = fmaxf(best, sel[e]);
     }
+    for (int off = 1; off < LG; off <<= 1) best = fmaxf(best, __shfl_xor_sync(0xffffffffu, best, off));
+    if (tid % LG == 0) gbest[tid / LG] = best;
     __syncthreads();
     TRACE_MARK(3);                                  /* (trace builds: the scores are in; router_decode's marks 0-2) */
-    /* the rank: how many experts beat e (greater, or equal with a lower id). On the critical path of every MoE
-     * layer, so one compare per expert, on float4 broadcasts: below e's float4 "beats" is t >= v, i.e. t > the
-     * float just under v; from it on, t > v; then the ties in e's own float4 below e are added (a plain loop
-     * over j with both tests cost ~5 us more per layer, dev/gpu_notes.md) */
-    for (int e = threadIdx.x; e < E; e += blockDim.x) {
-        const float v = sel[e], v_under = nextafterf(v, -INFINITY);
-        const int qe = e / 4;
+    float T = INFINITY;
+    for (int i = 0; i < nt / LG; i++) T = fminf(T, gbest[i]);
+    for (int e = tid; e < E; e += nt)
+        if (sel[e] >= T) cand[atomicAdd(&n_cand, 1)] = make_float2(sel[e], __int_as_float(e));
+    __syncthreads();
+    const int nc = n_cand;                          /* >= K (the groups' bests), unless logits are NaN */
+    for (int c = tid; c < nc; c += nt) {
+        const float v = cand[c].x;
+        const int e = __float_as_int(cand[c].y);
         int rank = 0;
-#pragma unroll 8
-        for (int q = 0; q < E4; q++) {
-            const float4 t = ((const float4 *)sel)[q];
-            const float th = q < qe ? v_under : v;
-            rank += (t.x > th) + (t.y > th) + (t.z > th) + (t.w > th);
+        for (int j = 0; j < nc; j++) {
+            const float2 t = cand[j];
+            rank += t.x > v || (t.x == v && __float_as_int(t.y) < e);
         }
-        for (int j = 4 * qe; j < e; j++) rank += sel[j] == v;
         if (rank < K) { slot_e[rank] = e; slot_w[rank] = score[e]; }
     }
     __syncthreads();
     TRACE_MARK(4);                                  /* the ranks are in */
-    if (threadIdx.x < K) {
-        int j = threadIdx.x, e = slot_e[j], k = 0;
+    if (tid < K) {
+        int j = tid, e = slot_e[j], k = 0;
         float sum = 0.0f;
         for (int i = 0; i < K; i++) { sum += slot_w[i]; k += slot_e[i] < e; }
         ae[k] = e;

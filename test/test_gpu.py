@@ -248,6 +248,60 @@ def test_gpu_column_slice_layouts(laguna_gpu, hidden, tmp_path):
         assert d <= TOL_F32
 
 
+# (experts, top-k): decode_route ranks only the experts at or above the smallest of G >= k groups' bests (G = 8, 16,
+# 32 for k <= 8, 16, 32 with 256 threads); 64 experts leave groups empty (every expert ranked), 320 fill them all
+ROUTER_CASES = [(64, 7), (320, 7), (320, 13), (320, 21)]
+
+
+@pytest.mark.parametrize("experts,k", ROUTER_CASES)
+def test_gpu_router_top_k_exact_ties(laguna_gpu, experts, k, tmp_path):
+    """The decode router's top-k (decode_route) at expert counts and top-k the fixtures never reach, on exact ties: a
+    random f32 checkpoint, first as drawn (against transformers in fp32), then with every router row and correction
+    bias copied from expert 2j to 2j + 1. With all selection values in tied pairs and an odd top-k, the k-th pick is
+    always one of a tied pair and must be the lower id (route_token's order); the twins' expert weights differ, so a
+    wrong pick moves the logits: GPU against the CPU, token by token (the decode router) and in one pass."""
+    sys.path.insert(0, os.path.join(ROOT, "test"))
+    import torch
+    import make_fixtures as mf
+    cfg = mf.LagunaConfig(**mf.base_config(num_experts=experts, num_experts_per_tok=k))
+    model = mf.LagunaForCausalLM(cfg).float().eval()
+    gen = torch.Generator().manual_seed(experts + k)
+    mf.randomize(model, cfg, gen)
+    ids = torch.randint(3, cfg.vocab_size, (40,), generator=gen)
+    ids_file = tmp_path / "ids.txt"
+    ids_file.write_text(" ".join(str(int(i)) for i in ids))
+
+    def export(tag):
+        hf = str(tmp_path / ("hf_" + tag))
+        model.save_pretrained(hf)
+        m = str(tmp_path / (tag + ".bin"))
+        run([sys.executable, os.path.join(ROOT, "export.py"), "-q", hf, m])
+        return hf, m
+
+    hf, m = export("drawn")
+    with torch.no_grad():
+        ref = mf.load_ref(hf)(ids[None]).logits[0].float().numpy()
+    got, _ = score(laguna_gpu, m, str(ids_file), tmp_path, "--chunk", "1")
+    d = float(np.abs(got - ref).max())
+    print(f"\n[gpu] {experts} experts top-{k}, token by token: max |GPU - transformers| = {d:.3g} (bar {TOL_F32})")
+    assert d <= TOL_F32
+    n_tied = 0
+    with torch.no_grad():
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if name.endswith("mlp.gate.weight") or "e_score_correction_bias" in name:
+                t[1::2] = t[0::2].clone()
+                n_tied += 1
+    assert n_tied >= 6      # 3 MoE layers: router weights and biases
+    _, m = export("tied")
+    cpu, _ = score(laguna_gpu, m, str(ids_file), tmp_path, "--cpu")
+    for label, extra in (("token by token", ("--chunk", "1")), ("one pass", ())):
+        got, _ = score(laguna_gpu, m, str(ids_file), tmp_path, *extra)
+        d = float(np.abs(got - cpu).max())
+        print(f"[gpu] {experts} experts top-{k}, every router row tied in pairs, {label}: max |GPU - CPU| = {d:.3g} "
+              f"(bar {TOL_F32})")
+        assert d <= TOL_F32
+
+
 @pytest.mark.parametrize("name", ["xs2_f32", "xs21_bf16"])
 def test_gpu_graph_equals_plain_launches(laguna_gpu, exported, name):
     prompt = open(fx(name, "prompt.txt")).read().strip()
