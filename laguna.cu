@@ -1220,8 +1220,10 @@ __global__ void attention_scalar(const float *qkvg, int NQ, int n, int g, int nh
  *   step's kernels).
  * - After the wait each block norms and ropes its group's q heads and the new k (v as is) into shared memory; the
  *   block that owns the new key writes it to the cache (rounded to the cache type, as used here).
- * - Per tile: scores to shared memory; per head the running max and sum (fixed shuffle trees); then p . V into
- *   per-thread accumulators. The next tile's loads are issued before the current one is computed.
+ * - Per tile: scores and the tile's values (unpacked to f32) to shared memory; per head the running max and sum
+ *   (fixed shuffle trees); then p . V by warp j for head j, each lane owning dims lane + 32 i, so a head's output
+ *   needs no sum across threads (before: 8 dims a thread, summed over lanes and warps; 1.9% faster decode, round 15).
+ *   The next tile's loads are issued before the current one is computed.
  * - The last active block of each kv head merges the splits in split order (deterministic) and applies the gate;
  *   with CL > 0 (sliding layers on sm_90) the CL splits of a kv head are one thread-block cluster instead, and block
  *   j merges head j from the others' shared memory (no fence, counter or global partials). */
@@ -1277,7 +1279,9 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
     __shared__ __align__(16) float kn[D], vn[D];        /* the new key and value, as the cache holds them */
     __shared__ float cs[D / 2], sn[D / 2], hm[G], hl[G], hc[G], sw[CL ? 1 : 128][G], sL[G];   /* sw: !CL's merge */
     __shared__ float nws[2][D];                         /* q_norm, k_norm: weights, read before the wait */
-    __shared__ __align__(16) union { float raw[G + 2][D]; float sc[G][KT]; float wo[8][G][D]; } sm;
+    constexpr int DL = (D + 31) / 32;                   /* p . V: dims a lane, d = lane + 32 i */
+    __shared__ __align__(16) union { float raw[G + 2][D]; float sc[G][KT]; } sm;
+    __shared__ __align__(16) float vs[KT][D];           /* the tile's values, unpacked */
     __shared__ int last;
     if constexpr (CL) cluster_arrive_relaxed();     /* phase 0: this block has started (its shared memory exists) */
     const int kvh = blockIdx.x, split = blockIdx.y, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -1346,11 +1350,9 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
     __syncthreads();
     TRACE_MARK(1);
 
-    float o[G][8];
+    float o[DL];                                        /* warp j: head j's output, dims lane + 32 i */
 #pragma unroll
-    for (int j = 0; j < G; j++)
-#pragma unroll
-        for (int i = 0; i < 8; i++) o[j][i] = 0.0f;
+    for (int i = 0; i < DL; i++) o[i] = 0.0f;
     for (int t0 = kb; t0 < ke; t0 += KT) {
         KV8 nk[2], nv[2];
         if (t0 + KT < ke) kv_tile_load<KV, D>(kc, vc, rows, KVD, kvh, t0 + KT, ke, pos, nk, nv);
@@ -1379,6 +1381,17 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
             for (int off = 1; off < KL; off <<= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
             if (tid % KL == 0) sm.sc[j][tid / KL] = uk < ke ? s : -INFINITY;
         }
+        {                                               /* this thread's 2 V chunks into vs */
+            const int vk = tid / CH, dc = (tid % CH) * 8;
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                float vf[8];
+                if (t0 + vk + i * (KT / 2) == pos) load_x8(vn + dc, vf);
+                else kv_unpack(vr[i], vc, vf);
+                *(float4 *)&vs[vk + i * (KT / 2)][dc] = make_float4(vf[0], vf[1], vf[2], vf[3]);
+                *(float4 *)&vs[vk + i * (KT / 2)][dc + 4] = make_float4(vf[4], vf[5], vf[6], vf[7]);
+            }
+        }
         __syncthreads();
         if (t0 == kb) TRACE_MARK(2);
         /* per head: the running max, this tile's probabilities and the running sum */
@@ -1393,22 +1406,21 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
         }
         __syncthreads();
         if (t0 == kb) TRACE_MARK(3);
-        /* p . V */
-        const int v0 = t0 + tid / CH, dc = (tid % CH) * 8;
-        float vf[2][8];
+        /* p . V: warp j = head j over the tile's keys; each lane owns dims lane + 32 i, so nothing is summed across
+         * threads afterwards */
+        if (warp < g) {
+            const float c = hc[warp];
 #pragma unroll
-        for (int i = 0; i < 2; i++) {
-            if (v0 + i * (KT / 2) == pos) load_x8(vn + dc, vf[i]);
-            else kv_unpack(vr[i], vc, vf[i]);
+            for (int i = 0; i < DL; i++) o[i] *= c;
+#pragma unroll 4
+            for (int t = 0; t < KT; t++) {
+                const float p = sm.sc[warp][t];
+#pragma unroll
+                for (int i = 0; i < DL; i++)
+                    if (lane + 32 * i < D) o[i] += p * vs[t][lane + 32 * i];
+            }
         }
-#pragma unroll
-        for (int j = 0; j < G; j++) {
-            if (j >= g) break;
-            float c = hc[j], p0 = sm.sc[j][tid / CH], p1 = sm.sc[j][tid / CH + KT / 2];
-#pragma unroll
-            for (int i = 0; i < 8; i++) o[j][i] = o[j][i] * c + p0 * vf[0][i] + p1 * vf[1][i];
-        }
-        __syncthreads();                                /* sc is rewritten by the next tile */
+        __syncthreads();                                /* sc and vs are rewritten by the next tile */
         if (t0 == kb) TRACE_MARK(4);
 #pragma unroll
         for (int i = 0; i < 2; i++) { kr[i] = nk[i]; vr[i] = nv[i]; }
@@ -1424,36 +1436,19 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
     }
 #endif
     if (kb < ke) {
-        /* the threads of one dim chunk: lanes CH apart, then the 8 warps (fixed order) */
+        const size_t pbase = ((size_t)kvh * nsplit + split) * g;   /* warp j holds head j's output */
+        if (warp < g) {
 #pragma unroll
-        for (int off = CH; off < 32; off <<= 1)
-#pragma unroll
-            for (int j = 0; j < G; j++) {
-                if (j >= g) break;
-#pragma unroll
-                for (int i = 0; i < 8; i++) o[j][i] += __shfl_xor_sync(0xffffffffu, o[j][i], off);
-            }
-        if (lane < CH)
-#pragma unroll
-            for (int j = 0; j < G; j++) {
-                if (j >= g) break;
-#pragma unroll
-                for (int i = 0; i < 8; i++) sm.wo[warp][j][lane * 8 + i] = o[j][i];
-            }
-        __syncthreads();
-        const size_t pbase = ((size_t)kvh * nsplit + split) * g;
-        for (int i = tid; i < g * D; i += 256) {
-            int j = i / D, d = i % D;
-            float acc = 0.0f;
-            for (int w = 0; w < 8; w++) acc += sm.wo[w][j][d];
+            for (int i = 0; i < DL; i++) {
+                const int d = lane + 32 * i;
+                if (d >= D) break;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-            if constexpr (CL) cg::this_cluster().map_shared_rank(&inbox[0][0], j)[split * D + d] = acc;
-            else
+                if constexpr (CL) cg::this_cluster().map_shared_rank(&inbox[0][0], warp)[split * D + d] = o[i];
+                else
 #endif
-            {
-                part_o[(pbase + j) * D + d] = acc;
-                if (d == 0) part_ml[pbase + j] = make_float2(hm[j], hl[j]);
+                    part_o[(pbase + warp) * D + d] = o[i];
             }
+            if (!CL && lane == 0) part_ml[pbase + warp] = make_float2(hm[warp], hl[warp]);
         }
     } else if constexpr (CL) {                          /* a split without keys: weight 0 in the merge */
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

@@ -123,10 +123,13 @@ def test_gpu_decode_attention_many_tiles(laguna_gpu, exported, kv, tmp_path):
     full layer in 1 / 3 splits: 12 / 4 tiles of 256 keys each. Token by token: with an f32 cache the CPU's logits
     within the fp32 bar; with bf16 / fp8 the same distance to the CPU (same --kv) as the default splits, and their
     logits (the same cache, only the order of the sums differs) for all but the few rows a flipped near-tie route
-    moves (fp8 measured 84 of 3000 above 1e-3, max 0.063; a tile loop reading wrong keys moves every row). Those
-    few rows can move a lot (fp8, after the matvecs changed their order of sums: 106 rows, max 0.60 where the
-    default splits' max distance to the CPU was 0.15), so the distance to the CPU is held at the 95th percentile of
-    the rows, which a wrong tile loop would move as much as the max."""
+    moves (fp8 measured 84 of 3000 above 1e-3, max 0.063; a tile loop reading wrong keys moves every row past the
+    first tile's 256). Those few rows can move a lot (fp8, after the matvecs changed their order of sums: 106 rows,
+    max 0.60 where the default splits' max distance to the CPU was 0.15), so the distance to the CPU is held at the
+    95th percentile of the rows, which a wrong tile loop would move as much as the max. With e4m3's 3 mantissa bits
+    a last-bit difference crosses a rounding boundary far more often and the flip carries to every later row, so
+    fp8's count is held to 20% (measured 217 rows, 7%, after the sliding attention's p . V changed its order of
+    sums), bf16's to 5%."""
     name = "long"
     base, _ = score(laguna_gpu, exported(name), fx(name, "score.txt"), tmp_path, "--chunk", "1", "--kv", kv)
     cpu, _ = score(laguna_gpu, exported(name), fx(name, "score.txt"), tmp_path, "--cpu", "--kv", kv)
@@ -144,7 +147,7 @@ def test_gpu_decode_attention_many_tiles(laguna_gpu, exported, kv, tmp_path):
         if kv == "f32":
             assert d_cpu <= TOL_F32
         else:
-            assert p95(got) <= p95(base) + TOL_BF16 and (rows > 1e-3).sum() <= 0.05 * len(rows)
+            assert p95(got) <= p95(base) + TOL_BF16 and (rows > 1e-3).sum() <= (0.2 if kv == "fp8" else 0.05) * len(rows)
 
 
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])
