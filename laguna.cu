@@ -1222,7 +1222,8 @@ __global__ void attention_scalar(const float *qkvg, int NQ, int n, int g, int nh
  *   block that owns the new key writes it to the cache (rounded to the cache type, as used here).
  * - Per tile: scores and the tile's values (unpacked to f32) to shared memory; per head the running max and sum
  *   (fixed shuffle trees); then p . V by warp j for head j, each lane owning dims lane + 32 i, so a head's output
- *   needs no sum across threads (before: 8 dims a thread, summed over lanes and warps; 1.9% faster decode, round 15).
+ *   needs no sum across threads (before: 8 dims a thread, summed over lanes and warps; decode +2.0% / +0.9% at
+ *   512 / 8K, dev/gpu_notes.md round 15).
  *   The next tile's loads are issued before the current one is computed.
  * - The last active block of each kv head merges the splits in split order (deterministic) and applies the gate;
  *   with CL > 0 (sliding layers on sm_90) the CL splits of a kv head are one thread-block cluster instead, and block
