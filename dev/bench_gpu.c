@@ -12,7 +12,9 @@
  * 128 greedy decode steps through the CUDA graph (timed after 8 warm-up steps), then 16-token forwards at L
  * (the DFlash verification shape, timed, rolled back each time). Achieved GB/s counts the bytes each token must
  * read: the attention, dense, router, 8 routed + shared experts and lm_head weights in the file's formats, plus
- * the K/V cache at that context (shared/spec/performance.md). */
+ * the K/V cache at that context (shared/spec/performance.md).
+ * LAGUNA_BENCH_TEMP=T (and LAGUNA_BENCH_TOPP=P, default 0.95): the decode steps sample at temperature T with top-p P
+ * (laguna's defaults are 0.6 / 0.95) instead of greedy, so the sampler's cost shows; a fixed coin sequence. */
 #define TESTING
 #include "../laguna.c"
 
@@ -67,6 +69,11 @@ int main(int argc, char **argv) {
     if (!g) die("%s", err);
     printf("gpu: %s\n%s\ninit (random fill on the device) %.1f s\n", info, gpu_summary(g), now_s() - t0);
 
+    const char *te = getenv("LAGUNA_BENCH_TEMP"), *pe = getenv("LAGUNA_BENCH_TOPP");
+    const float temp = te ? (float)atof(te) : 0.0f, topp = pe ? (float)atof(pe) : 0.95f;
+    if (temp > 0.0f) printf("decode samples at temperature %.2f, top-p %.2f (LAGUNA_BENCH_TEMP / _TOPP)\n", temp, topp);
+    unsigned long long coin_rng = 7;
+#define COIN() (temp > 0.0f ? random_f32(&coin_rng) : 0.0f)
     int contexts[16] = {512, 2048, 8192, 32768, 131072}, nc = 5;
     if (argc > a0) { nc = 0; for (int i = a0; i < argc && nc < 16; i++) contexts[nc++] = atoi(argv[i]); }
     int maxL = 0;
@@ -92,15 +99,15 @@ int main(int argc, char **argv) {
         double prefill_s = now_s() - tp;
         /* decode: 8 warm-up steps, then 128 timed */
         int pos = L;
-        for (int i = 0; i < 8; i++) next = gpu_decode_step(g, next, pos++, 0.0f, 0.0f, 0.0f);
+        for (int i = 0; i < 8; i++) next = gpu_decode_step(g, next, pos++, temp, topp, COIN());
         int steps = 128;
         double td = now_s();
-        for (int i = 0; i < steps; i++) next = gpu_decode_step(g, next, pos++, 0.0f, 0.0f, 0.0f);
+        for (int i = 0; i < steps; i++) next = gpu_decode_step(g, next, pos++, temp, topp, COIN());
         double dec_s = (now_s() - td) / steps;
 #ifdef LAGUNA_TRACE
         /* make dev/bench_gpu_trace: one more step at the first context, every kernel block timed (untimed here) */
         const char *trace_out = getenv("LAGUNA_TRACE_OUT");
-        if (ci == 0 && trace_out) next = gpu_decode_trace(g, next, pos++, 0.0f, 0.0f, 0.0f, trace_out);
+        if (ci == 0 && trace_out) next = gpu_decode_trace(g, next, pos++, temp, topp, COIN(), trace_out);
 #endif
         /* verification: 16 tokens at L with all their logits (rolled back: same position every time) */
         for (int i = 0; i < 2; i++) gpu_forward(g, ids + L, 16, L, 1);
