@@ -7,8 +7,9 @@
 # Builds both, exports the XS-2.1 synthetic file in each of $DTYPES (default bf16 q4 q8), then for each file runs
 # dev/bench_gpu at $CTX (default 512) $ROUNDS times (default 3) A, B, A, B, ... and prints each run and the means.
 # $VARIANTS: B is run once per word (default, or VAR=value[,VAR=value...] in its environment), e.g.
-# VARIANTS="default LAGUNA_X=1"; the label in ab.txt is B or B:word. Each run's line has the decode tok/s and the
-# 16-token verification's ms per context; a variant with LAGUNA_PROF=1 adds its first run's verification profile.
+# VARIANTS="default LAGUNA_X=1"; the label in ab.txt is B or B:word. A word A:VAR=value[,...] runs A with that
+# environment instead (label A:VAR=value), e.g. VARIANTS="default LAGUNA_BENCH_TEMP=0.6 A:LAGUNA_BENCH_TEMP=0.6".
+# Each run's line has the decode tok/s and the 16-token verification's ms per context; a variant with LAGUNA_PROF=1 adds its first run's verification profile.
 # $EXTRA: more B-only bench_gpu command lines (arguments after the file, e.g. "--kv fp8 8192 131072"; several
 # separated by ';', each optionally "VAR=x VAR2=y|" first for its environment), on the bf16 file.
 # $TRACE=1: B is also built with -DLAGUNA_TRACE and traces one decode step at 512 on the bf16 file (trace.csv.gz,
@@ -73,11 +74,15 @@ for dt in $DTYPES; do
     f=/dev/shm/ab-$dt.bin
     for r in $(seq ${ROUNDS:-3}); do
         for side in A ${ALTS:-} ${VARIANTS:-default}; do
-            bin=./dev/bench_gpu; label=B; [ $side = A ] && bin=./.ab/dev/bench_gpu && label=A
+            bin=./dev/bench_gpu; label=B; envs=; [ $side = A ] && bin=./.ab/dev/bench_gpu && label=A
             case " ${ALTS:-} " in *" $side "*) bin=$side/dev/bench_gpu; label=${side#.}; side=default;; esac
-            [ $side != A ] && [ $side != default ] && label=B:$side
+            case $side in
+                A | default) ;;
+                A:*) bin=./.ab/dev/bench_gpu; label=$side; envs=${side#A:};;   # A with that environment
+                *) label=B:$side; envs=$side;;
+            esac
             log="$OUT/runs/$dt-${label//[:=,]/_}-$r.log"
-            ( [ $side != A ] && [ $side != default ] && export ${side//,/ }
+            ( [ -n "$envs" ] && export ${envs//,/ }
               timeout 60 $bin $f $CTX > "$log" 2>&1 )
             echo "$dt $label $r: $(grep '^| [0-9]' "$log" | cut -d'|' -f2,5 | tr '\n' ' ') $(grep -c rror "$log") errors;" \
                  "verify 16 ms: $(grep '^| [0-9]' "$log" | cut -d'|' -f10 | tr -d ' ' | tr '\n' ' ')" >> "$S"
