@@ -739,8 +739,16 @@ __device__ __forceinline__ void cluster_wait_acquire() {
 #endif
 }
 
+/* The trace build's bookkeeping took q/k/v/g's instance from 64 registers to 68, 4 blocks an SM to 3, so its traces
+ * timed a slower kernel than the real one (dev/gpu_notes.md, round 15): traced, the bf16 / q8 / q4 instances are held
+ * to 4 blocks an SM, as they run untraced (f32's take ~95 registers either way). */
+#ifdef LAGUNA_TRACE
+#define MATVEC_COLS_BOUNDS __launch_bounds__(256, std::is_same<W, float>::value ? 1 : 4)
+#else
+#define MATVEC_COLS_BOUNDS __launch_bounds__(256)
+#endif
 template <typename W, int R, bool SPLIT>
-__global__ void __launch_bounds__(256) matvec_cols(float *out, WPtr w, int rows, int in, const float *x,
+__global__ void MATVEC_COLS_BOUNDS matvec_cols(float *out, WPtr w, int rows, int in, const float *x,
                                                    const float *norm_w, float eps, float *xb_out, const float *bias,
                                                    int accumulate) {
     TRACE_BLOCK();
