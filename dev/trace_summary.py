@@ -6,6 +6,9 @@
 Rows of the CSV are thread blocks: gridid,block,smid,t_start,t_wait,t_end (%globaltimer ns; t_wait 0: the block left
 before griddep_wait), cyc_wait,cyc_end (clock64 cycles start -> wait, wait -> end), clk_start (clock64 at the start),
 m0..m5 (TRACE_MARK(i): ns after the block's start, 0 if not reached; table (c) shows them after each block's wait).
+Table (d): the blocks themselves -- how many started before the previous grid ended (under PDL), how many of the
+grid's blocks were resident on average over its step and at most, and how long the blocks that started after the
+previous grid's end took from their start to their end.
 Grids (one per kernel launch) are ordered by their first block's start. Per grid, in us from the step's first start:
 start / last start = first and last block start, wait = earliest griddep_wait return (a grid without any: its start),
 end = last block end; gap = wait - the previous grid's end, pre = wait - start (what PDL overlapped), span = end -
@@ -92,6 +95,7 @@ def grids(grid, ts, tw, te, waited, marks):
     g["own"] = own / g["blocks"]
     g["waited"] = np.bincount(inv, weights=waited, minlength=n).astype(int)
     g["wait"] = np.where(np.isfinite(g["wait"]), g["wait"], g["start"])
+    g["id"] = ids
     o = np.argsort(g["start"], kind="stable")
     g = {k: v[o] for k, v in g.items()}
     prev_end = np.concatenate([[g["start"][0]], g["end"][:-1]])
@@ -121,6 +125,20 @@ def split_layers(blocks, n_layers):
     return layers if not cur and (n_layers <= 0 or len(layers) == n_layers) else None
 
 
+def residency(grid, ts, te, gid, prev_end, end):
+    """one grid's blocks: (started before prev_end, mean resident over [prev_end, end], peak resident, mean start ->
+    end of the blocks started at or after prev_end), times in ns"""
+    m = grid == gid
+    s, e = ts[m], te[m]
+    early = int((s < prev_end).sum())
+    mean_res = np.clip(np.minimum(e, end) - np.maximum(s, prev_end), 0, None).sum() / max(end - prev_end, 1.0)
+    ev = np.concatenate([np.stack([s, np.ones_like(s)], 1), np.stack([e, -np.ones_like(e)], 1)])
+    ev = ev[np.lexsort((ev[:, 1], ev[:, 0]))]               # at equal times the ends (-1) first
+    peak = int(np.cumsum(ev[:, 1]).max())
+    late = s >= prev_end
+    return early, mean_res, peak, float((e[late] - s[late]).mean()) if late.any() else float("nan")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("csv")
@@ -128,7 +146,8 @@ def main():
     ap.add_argument("--clock", action="store_true", help="times from the SMs' clock64, aligned per SM")
     ap.add_argument("--brief", action="store_true", help="in (a) only the first two and the last layer")
     args = ap.parse_args()
-    g = grids(*load(args.csv, args.clock))
+    data = load(args.csv, args.clock)
+    g = grids(*data)
     n = len(g["blocks"])
     us = {k: g[k] / 1e3 for k in ("start", "last", "wait", "end", "gap", "pre", "span", "step", "launch")}
     layers = split_layers(g["blocks"], args.layers)
@@ -195,6 +214,24 @@ def main():
                         mk = np.nanmean(g["marks"][idx], axis=0)
                     cells = " ".join(f"{v:>6.2f}" if not np.isnan(v) else f"{'-':>6}" for v in mk)
                     print(f"  {names[j]:<14} {cells}   end {g['own'][idx].mean():>6.2f}")
+
+    if layers:
+        grid, ts, te = data[0], data[1], data[3]
+        prev_end = np.concatenate([[g["start"][0]], g["end"][:-1]])
+        print("\n(d) the blocks: started before the previous grid's end, resident on average over the step and at "
+              "most, and the later blocks' start -> end (us)")
+        for sig, lis in kinds.items():
+            print(f"kind [{lis[0]},...]:")
+            print(f"  {'slot':<14} {'blocks':>6} {'early':>6} {'mean':>6} {'peak':>6} {'late us':>7}")
+            names = NAMES.get(len(sig), [f"k{j}" for j in range(len(sig))])
+            for j, b in enumerate(sig):
+                r = np.array([residency(grid, ts, te, g["id"][i], prev_end[i], g["end"][i])
+                              for i in (layers[li][j] for li in lis)])
+                with warnings.catch_warnings():           # no late blocks anywhere: nan
+                    warnings.simplefilter("ignore")
+                    late = np.nanmean(r[:, 3]) / 1e3
+                print(f"  {names[j]:<14} {b:>6} {r[:, 0].mean():>6.0f} {r[:, 1].mean():>6.0f} {r[:, 2].mean():>6.0f} "
+                      f"{late:>7.2f}")
 
     total = us["end"][-1] - us["start"][0]
     print(f"\nstep: {total:.1f} us from the first start to the last end, {n} grids")
