@@ -9,7 +9,8 @@
 # $VARIANTS: B is run once per word (default, or VAR=value[,VAR=value...] in its environment), e.g.
 # VARIANTS="default LAGUNA_X=1"; the label in ab.txt is B or B:word. A word A:VAR=value[,...] runs A with that
 # environment instead (label A:VAR=value), e.g. VARIANTS="default LAGUNA_BENCH_TEMP=0.6 A:LAGUNA_BENCH_TEMP=0.6".
-# Each run's line has the decode tok/s and the 16-token verification's ms per context; a variant with LAGUNA_PROF=1 adds its first run's verification profile.
+# Each run's line has the decode tok/s and the 16-token verification's ms per context; a variant with LAGUNA_PROF=1
+# adds its first run's verification profile.
 # $EXTRA: more B-only bench_gpu command lines (arguments after the file, e.g. "--kv fp8 8192 131072"; several
 # separated by ';', each optionally "VAR=x VAR2=y|" first for its environment), on the bf16 file.
 # $TRACE=1: B is also built with -DLAGUNA_TRACE and traces one decode step at 512 on the bf16 file (trace.csv.gz,

@@ -166,7 +166,8 @@ def test_gpu_decode_attention_many_tiles(laguna_gpu, exported, kv, tmp_path):
         if kv == "f32":
             assert d_cpu <= TOL_F32
         else:
-            assert p95(got) <= p95(base) + TOL_BF16 and (rows > 1e-3).sum() <= (0.2 if kv == "fp8" else 0.05) * len(rows)
+            flipped = 0.2 if kv == "fp8" else 0.05      # of the rows, moved more than 1e-3 (see above)
+            assert p95(got) <= p95(base) + TOL_BF16 and (rows > 1e-3).sum() <= flipped * len(rows)
 
 
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])
