@@ -42,6 +42,13 @@ cuda-compile: laguna.cu $(SRC) $(HDR)
 test-gpu:
 	python3 -m pytest -q -s -rs test/test_gpu.py test/test_gpu_fidelity.py
 
+# the same tests in two halves, for a device call shorter than the whole suite (each prints its slowest tests)
+GPU_HALF2 = quant or dflash or mid_size or fidelity
+test-gpu-1:
+	python3 -m pytest -q -s -rs --durations=15 test/test_gpu.py -k "not ($(GPU_HALF2))"
+test-gpu-2:
+	python3 -m pytest -q -s -rs --durations=15 test/test_gpu.py test/test_gpu_fidelity.py -k "$(GPU_HALF2)"
+
 dev/bench_gpu: dev/bench_gpu.c laguna-cu.o $(SRC) $(HDR)
 	$(CC) $(CFLAGS) -Wno-unused-function -DLAGUNA_CUDA -c dev/bench_gpu.c -o bench_gpu.o
 	$(CC) $(CFLAGS) -c tokenizer.c -o tokenizer.o
@@ -85,7 +92,7 @@ bench: dev/bench_gpu dev/matvec_lab dev/bench_dflash
 	python3 export.py -q --synthetic XS-2.1-DFlash /dev/shm/xs21-dflash.bin
 	./dev/bench_dflash /dev/shm/xs21.bin /dev/shm/xs21-dflash.bin
 
-.PHONY: clean test cuda cuda-compile test-gpu bench
+.PHONY: clean test cuda cuda-compile test-gpu test-gpu-1 test-gpu-2 bench
 clean:
 	rm -f laguna laguna-debug laguna-cuda dev/bench_gpu dev/bench_gpu_trace dev/bench_dflash dev/matvec_lab dev/moe_gemm_lab dev/chain_lab dev/bulk_lab dev/few_lab *.o
 
