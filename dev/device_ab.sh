@@ -22,10 +22,8 @@
 # sources built with those flags; carry them with .ab), run after A in every round, labelled by their directory.
 # $TESTS=1: then the GPU tests (make test-gpu's) on B until $DEADLINE s (default 585) after the start (a call is 600 s at most),
 # with $TEST_ENV (VAR=value words) in its environment: the tests' ./laguna runs inherit it; $TEST_K: only the tests
-# a pytest -k expression selects; $XDIST=n: n pytest workers sharing the GPU (the binary is built first; needs
-# pytest-xdist: here `python3 -m pip download -q -d .wheels pytest-xdist`, ignored by .git/info/exclude, carried).
-# Measured no faster: 4 workers finished 36 of the 81 GPU tests in 530 s (one process: ~45 in ~430 s), the CPU
-# references of 4 tests at once sharing the machine's 16 cores; split a long selection over calls instead.
+# a pytest -k expression selects. (4 pytest-xdist workers were measured no faster: dev/gpu_notes.md, round 15; a long
+# selection goes over several calls, e.g. make test-gpu-1 / test-gpu-2.)
 # Logs under $OUT: ab.txt (the lines to read), test.log, runs/ (each run; the build and export logs once the benches
 # are done: a failed build or export puts its tail in ab.txt).
 set -u
@@ -126,13 +124,7 @@ echo "benches done in $(( $(date +%s) - t0 )) s" >> "$S"
 mv "$OUT"/build_*.log "$OUT/export.log" "$OUT/runs/" 2>/dev/null   # read on failure only (in ab.txt)
 [ "${TESTS:-0}" = 1 ] || exit 0
 if [ -n "${TEST_K:-}" ]; then set -- -k "$TEST_K"; else set --; fi   # TEST_K: a pytest -k expression
-PYS=-s                                                  # XDIST=n: n pytest workers (pytest-xdist from .wheels)
-if [ -n "${XDIST:-}" ]; then
-    [ -d .wheels ] && python3 -m pip install -q --no-index --find-links .wheels pytest-xdist > "$OUT/xdist.log" 2>&1
-    if python3 -c "import xdist" 2>/dev/null; then PYS="-n $XDIST -rP"
-    else echo "XDIST: pytest-xdist is not installed (carry .wheels); the tests run in one process" >> "$S"; fi
-fi
 timeout $(( ${DEADLINE:-585} - ($(date +%s) - t0) )) env ${TEST_ENV:-} \
-    python3 -m pytest -q $PYS -rs test/test_gpu.py test/test_gpu_fidelity.py "$@" > "$OUT/test.log" 2>&1
+    python3 -m pytest -q -s -rs test/test_gpu.py test/test_gpu_fidelity.py "$@" > "$OUT/test.log" 2>&1
 echo "GPU tests rc $? at $(( $(date +%s) - t0 )) s" >> "$S"
 grep "\[gpu\|passed\|failed\|XFAIL\|^E  " "$OUT/test.log" | cut -c1-220 | tail -80 >> "$S"

@@ -37,26 +37,7 @@ pytestmark = pytest.mark.skipif(not have_gpu(), reason="no NVIDIA GPU / nvcc her
 
 @pytest.fixture(scope="session")
 def laguna_gpu():
-    """The GPU build, made once a test run. `make cuda` always relinks ./laguna, so under pytest-xdist (several
-    workers, one tree) the workers take a lock and only the first of this run builds: a link while another worker
-    runs or links ./laguna would break it."""
-    uid = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if uid is None:
-        run(["make", "-C", ROOT, "cuda"])
-    else:
-        import fcntl
-        import hashlib
-        import tempfile
-        tag = hashlib.sha1(ROOT.encode()).hexdigest()[:12]
-        with open(os.path.join(tempfile.gettempdir(), f"laguna-gpu-build-{tag}.lock"), "a+") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)
-            f.seek(0)
-            if f.read().strip() != uid:
-                run(["make", "-C", ROOT, "cuda"])
-                f.seek(0)
-                f.truncate()
-                f.write(uid)
-                f.flush()
+    run(["make", "-C", ROOT, "cuda"])
     return os.path.join(ROOT, "laguna")
 
 
