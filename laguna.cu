@@ -1226,12 +1226,14 @@ __global__ void attention_scalar(const float *qkvg, int NQ, int n, int g, int nh
  * - The first tile's cache rows and RoPE's angles are taken before the wait on the q/k/v/g matvec: only the new
  *   key's row is written this step, and it comes from shared memory instead (pos itself is written before the
  *   step's kernels).
- * - After the wait each block norms and ropes its group's q heads and the new k (v as is) into shared memory; the
- *   block that owns the new key writes it to the cache (rounded to the cache type, as used here).
- * - Per tile: scores and the tile's values (unpacked to f32) to shared memory; per head the running max and sum
- *   (fixed shuffle trees); then p . V by warp j for head j, each lane owning dims lane + 32 i, so a head's output
- *   needs no sum across threads (before: 8 dims a thread, summed over lanes and warps; decode +2.0% / +0.9% at
- *   512 / 8K, dev/gpu_notes.md round 15).
+ * - After the wait each block copies its group's q heads and the new k and v into shared memory (16-byte loads, all
+ *   in flight at once: +1.1% / +1.5% decode at 512 / 8K over scalar loads, dev/gpu_notes.md round 16), norms and
+ *   ropes q and k there (v as is); the block that owns the new key writes it to the cache (rounded to the cache
+ *   type, as used here).
+ * - Per tile: scores (each thread's partial dots for every head, then one transposing shuffle reduction) and the
+ *   tile's values (unpacked to f32) to shared memory; per head the running max and sum (fixed shuffle trees); then
+ *   p . V with a thread a dim for HP = max(1, 8 D / 256) heads, so an output needs no sum across threads (round
+ *   15's warp a head: +2.0% / +0.9%; a thread a dim: 0.27 us less in the trace, round 16).
  *   The next tile's loads are issued before the current one is computed.
  * - The last active block of each kv head merges the splits in split order (deterministic) and applies the gate;
  *   with CL > 0 (sliding layers on sm_90) the CL splits of a kv head are one thread-block cluster instead, and block
@@ -1288,7 +1290,10 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
     __shared__ __align__(16) float kn[D], vn[D];        /* the new key and value, as the cache holds them */
     __shared__ float cs[D / 2], sn[D / 2], hm[G], hl[G], hc[G], sw[CL ? 1 : 128][G], sL[G];   /* sw: !CL's merge */
     __shared__ float nws[2][D];                         /* q_norm, k_norm: weights, read before the wait */
-    constexpr int DL = (D + 31) / 32;                   /* p . V: dims a lane, d = lane + 32 i */
+    /* p . V: thread tid owns dim pd of heads ph0 .. ph0 + HP - 1 (D = 16: the upper 128 threads have none) */
+    constexpr int GR = 256 / D < G ? 256 / D : G, HP = G / GR;
+    const int pd = threadIdx.x % D, ph0 = (threadIdx.x / D) * HP;
+    __shared__ __align__(16) float pt[KT][G];           /* the tile's probabilities, key-major */
     __shared__ __align__(16) union { float raw[G + 2][D]; float sc[G][KT]; } sm;
     __shared__ __align__(16) float vs[KT][D];           /* the tile's values, unpacked */
     __shared__ int last;
@@ -1311,16 +1316,27 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
     /* CL: block j of the cluster (its split: the cluster spans the splits) merges head j; its gate now, not after
      * the merge's barriers */
     float gate_v = 1.0f;
-    if (CL && split < g && tid < D && gate_off >= 0) {
-        int hd = kvh * g + split;
-        gate_v = softplus(qkvg[gate_off + (gate_per_head ? hd : hd * D + tid)]);
-    }
-
-    /* q heads of this group, the new k and v: raw into shared memory, then per-vector norm and RoPE */
-    for (int i = tid; i < (g + 2) * D; i += 256) {
-        int j = i / D, d = i % D;
-        int src = j < g ? (kvh * g + j) * D : j == g ? (nh + kvh) * D : (nh + nkv + kvh) * D;
-        sm.raw[j][d] = qkvg[src + d];
+    /* q heads of this group, the new k and v: raw into shared memory (16-byte loads, all of this thread's and the
+     * gate's issued before the first store: one round trip), then per-vector norm and RoPE */
+    {
+        constexpr int NR = ((G + 2) * D / 4 + 255) / 256;
+        const int nr = (g + 2) * (D / 4);
+        float4 rv[NR];
+#pragma unroll
+        for (int u = 0; u < NR; u++) {
+            const int i = tid + 256 * u, j = i / (D / 4), d = (i % (D / 4)) * 4;
+            const int src = j < g ? (kvh * g + j) * D : j == g ? (nh + kvh) * D : (nh + nkv + kvh) * D;
+            if (i < nr) rv[u] = *(const float4 *)(qkvg + src + d);
+        }
+        const bool has_gate = CL && split < g && tid < D && gate_off >= 0;
+        const int hd = kvh * g + split;
+        const float graw = has_gate ? qkvg[gate_off + (gate_per_head ? hd : hd * D + tid)] : 0.0f;
+#pragma unroll
+        for (int u = 0; u < NR; u++) {
+            const int i = tid + 256 * u, j = i / (D / 4), d = (i % (D / 4)) * 4;
+            if (i < nr) *(float4 *)&sm.raw[j][d] = rv[u];
+        }
+        if (has_gate) gate_v = softplus(graw);
     }
     if (tid < G) { hm[tid] = -INFINITY; hl[tid] = 0.0f; }
     __syncthreads();
@@ -1359,9 +1375,9 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
     __syncthreads();
     TRACE_MARK(1);
 
-    float o[DL];                                        /* warp j: head j's output, dims lane + 32 i */
+    float o[HP];                                        /* heads ph0 + i's output at dim pd */
 #pragma unroll
-    for (int i = 0; i < DL; i++) o[i] = 0.0f;
+    for (int i = 0; i < HP; i++) o[i] = 0.0f;
     for (int t0 = kb; t0 < ke; t0 += KT) {
         KV8 nk[2], nv[2];
         if (t0 + KT < ke) kv_tile_load<KV, D>(kc, vc, rows, KVD, kvh, t0 + KT, ke, pos, nk, nv);
@@ -1376,19 +1392,38 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
             if (uk == pos) load_x8(kn + (c0 + i) * 8, kf[i]);
             else kv_unpack(kr[i], kc, kf[i]);
         }
-        /* not unrolled: one copy of the body instead of 8; decode measured 1.8% faster so (why is not isolated:
-         * dev/gpu_notes.md, round 8) */
-#pragma unroll 1
-        for (int j = 0; j < g; j++) {
-            float qa[8], qb[8];
-            *(float4 *)&qa[0] = *(const float4 *)&qs[j][qo[0]];
-            *(float4 *)&qa[4] = *(const float4 *)&qs[j][qo[1]];
-            *(float4 *)&qb[0] = *(const float4 *)&qs[j][qo[2]];
-            *(float4 *)&qb[4] = *(const float4 *)&qs[j][qo[3]];
-            float s = dot8(qa, kf[0]) + dot8(qb, kf[1]);
+        /* every head's partial dot first (8 independent sums; before, a head at a time with its own butterfly, not
+         * unrolled: 0.13 us more in the trace, round 16), then a transposing reduction over the key's KL lanes:
+         * at each step a lane keeps half of its heads and sends the other half to its partner, which adds them to its
+         * own (log2 KL steps, G - G / KL shuffles instead of g log2 KL); the lanes' partials meet in the same order
+         * as the plain butterfly's, so the scores are the same bits */
+        {
+            float sv[G];
 #pragma unroll
-            for (int off = 1; off < KL; off <<= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-            if (tid % KL == 0) sm.sc[j][tid / KL] = uk < ke ? s : -INFINITY;
+            for (int j = 0; j < G; j++) {
+                float qa[8], qb[8];
+                *(float4 *)&qa[0] = *(const float4 *)&qs[j][qo[0]];
+                *(float4 *)&qa[4] = *(const float4 *)&qs[j][qo[1]];
+                *(float4 *)&qb[0] = *(const float4 *)&qs[j][qo[2]];
+                *(float4 *)&qb[4] = *(const float4 *)&qs[j][qo[3]];
+                sv[j] = j < g ? dot8(qa, kf[0]) + dot8(qb, kf[1]) : 0.0f;
+            }
+            int n = G, base = 0;                        /* this lane holds heads base .. base + n - 1 */
+#pragma unroll
+            for (int off = 1; off < KL; off <<= 1) {
+                n /= 2;
+                const bool up = (tid & off) != 0;       /* keeps the upper half of its heads */
+#pragma unroll
+                for (int i = 0; i < G / 2; i++) {
+                    if (i >= n) break;
+                    const float send = up ? sv[i] : sv[i + n], keep = up ? sv[i + n] : sv[i];
+                    sv[i] = keep + __shfl_xor_sync(0xffffffffu, send, off);
+                }
+                base += up ? n : 0;
+            }
+#pragma unroll
+            for (int i = 0; i < G; i++)
+                if (i < n && base + i < g) sm.sc[base + i][tid / KL] = uk < ke ? sv[i] : -INFINITY;
         }
         {                                               /* this thread's 2 V chunks into vs */
             const int vk = tid / CH, dc = (tid % CH) * 8;
@@ -1409,27 +1444,38 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
             for (int k = lane; k < KT; k += 32) mx = fmaxf(mx, sm.sc[j][k]);
             mx = warp_max(mx);
             float mo = hm[j], mn = fmaxf(mo, mx), corr = exp2f(mo - mn), sum = 0.0f;
-            for (int k = lane; k < KT; k += 32) { float p = exp2f(sm.sc[j][k] - mn); sm.sc[j][k] = p; sum += p; }
+            for (int k = lane; k < KT; k += 32) { float p = exp2f(sm.sc[j][k] - mn); pt[k][j] = p; sum += p; }
             sum = warp_sum(sum);
             if (lane == 0) { hl[j] = hl[j] * corr + sum; hm[j] = mn; hc[j] = corr; }
         }
         __syncthreads();
         if (t0 == kb) TRACE_MARK(3);
-        /* p . V: warp j = head j over the tile's keys; each lane owns dims lane + 32 i, so nothing is summed across
-         * threads afterwards */
-        if (warp < g) {
-            const float c = hc[warp];
+        /* p . V: a thread a dim, for HP heads, over the tile's keys, so nothing is summed across threads afterwards;
+         * per key one value and HP probabilities (one 16-byte read at D = 128) from shared memory. (A warp a head,
+         * lanes owning dims, the same sums in the same order: 4 value reads a key at D = 128, ~0.27 us slower in the
+         * trace, dev/gpu_notes.md round 16.) */
+        if (ph0 < g) {
 #pragma unroll
-            for (int i = 0; i < DL; i++) o[i] *= c;
+            for (int i = 0; i < HP; i++) o[i] *= ph0 + i < g ? hc[ph0 + i] : 0.0f;
 #pragma unroll 4
             for (int t = 0; t < KT; t++) {
-                const float p = sm.sc[warp][t];
+                const float v = vs[t][pd];
+                float p[HP];
+                if constexpr (HP == 4) {
+                    const float4 q4 = *(const float4 *)&pt[t][ph0];
+                    p[0] = q4.x; p[1] = q4.y; p[2] = q4.z; p[3] = q4.w;
+                } else if constexpr (HP == 2) {
+                    const float2 q2 = *(const float2 *)&pt[t][ph0];
+                    p[0] = q2.x; p[1] = q2.y;
+                } else {
 #pragma unroll
-                for (int i = 0; i < DL; i++)
-                    if (lane + 32 * i < D) o[i] += p * vs[t][lane + 32 * i];
+                    for (int i = 0; i < HP; i++) p[i] = pt[t][ph0 + i];
+                }
+#pragma unroll
+                for (int i = 0; i < HP; i++) o[i] += p[i] * v;
             }
         }
-        __syncthreads();                                /* sc and vs are rewritten by the next tile */
+        __syncthreads();                                /* sc, pt and vs are rewritten by the next tile */
         if (t0 == kb) TRACE_MARK(4);
 #pragma unroll
         for (int i = 0; i < 2; i++) { kr[i] = nk[i]; vr[i] = nv[i]; }
@@ -1445,20 +1491,18 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
     }
 #endif
     if (kb < ke) {
-        const size_t pbase = ((size_t)kvh * nsplit + split) * g;   /* warp j holds head j's output */
-        if (warp < g) {
+        const size_t pbase = ((size_t)kvh * nsplit + split) * g;
 #pragma unroll
-            for (int i = 0; i < DL; i++) {
-                const int d = lane + 32 * i;
-                if (d >= D) break;
+        for (int i = 0; i < HP; i++) {
+            const int h = ph0 + i;
+            if (h >= g) break;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-                if constexpr (CL) cg::this_cluster().map_shared_rank(&inbox[0][0], warp)[split * D + d] = o[i];
-                else
+            if constexpr (CL) cg::this_cluster().map_shared_rank(&inbox[0][0], h)[split * D + pd] = o[i];
+            else
 #endif
-                    part_o[(pbase + warp) * D + d] = o[i];
-            }
-            if (!CL && lane == 0) part_ml[pbase + warp] = make_float2(hm[warp], hl[warp]);
+                part_o[(pbase + h) * D + pd] = o[i];
         }
+        if (!CL && tid < g) part_ml[pbase + tid] = make_float2(hm[tid], hl[tid]);
     } else if constexpr (CL) {                          /* a split without keys: weight 0 in the merge */
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
         for (int i = tid; i < g * D; i += 256) cg::this_cluster().map_shared_rank(&inbox[0][0], i / D)[split * D + i % D] = 0.0f;
@@ -2713,10 +2757,21 @@ __global__ void swiglu_kernel(T *act, const float *h, size_t rows, int hid) {
  * One block. Greedy: argmax (first index on ties). Otherwise softmax(logits / T) and top-p: the nucleus is
  * {p >= threshold}, the threshold found by a 3-pass radix select over the float bits of p (positive floats
  * order like their bits) so that its mass first exceeds top-p; then the token where the running mass, in
- * index order, passes coin * mass. Same distribution as the CPU sampler (which walks the sorted order). */
+ * index order, passes coin * mass. Same distribution as the CPU sampler (which walks the sorted order).
+ * Every pass reads its values SB at a time before using them (one L2 round trip per SB values, not per value), and
+ * exp(logit / T - max) is computed once into the scratch e (V floats), so p = e[i] / sum in every later pass (the
+ * same bits as computing it again). The radix passes skip p < (1 - topp) / 4V: those tokens hold under a quarter of
+ * 1 - topp, so the tokens at or above them hold more than topp, the threshold is above them, and no bin the select
+ * reads changes (dev/gpu_notes.md, round 16). A thread adds its tokens' p into a bin in runs: one shared-memory
+ * atomic each time its bin changes, not one a token (nearly flat distributions put almost every token in a bin or
+ * two of pass 0, and same-address atomics queue). On the full shapes' synthetic weights decode at T 0.6 / top-p
+ * 0.95 is 0.38 ms a token slower than greedy with one value a round trip, exp in all 5 passes and an atomic a token
+ * (393 against 462 tok/s), and still 0.35 ms with all three changed (404 against 470): most of that time is
+ * elsewhere, in this kernel or outside it (not traced yet; dev/gpu_notes.md, round 16). */
 struct Step { int token, pos; float temperature, topp, coin; int out; };
+constexpr int SB = 8;                       /* values a thread loads before it uses them */
 
-__global__ void __launch_bounds__(1024) sample_kernel(const float *logits, int V, Step *st) {
+__global__ void __launch_bounds__(1024) sample_kernel(const float *logits, int V, Step *st, float *e) {
     TRACE_BLOCK();
     griddep_wait();
     griddep_launch();
@@ -2727,10 +2782,26 @@ __global__ void __launch_bounds__(1024) sample_kernel(const float *logits, int V
     __shared__ uint32_t sh_u[2];
     int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nt = blockDim.x;
     float T = st->temperature, topp = st->topp;
-    /* argmax (also the max for the softmax) */
+    /* argmax (also the max for the softmax), by 16-byte loads, SB in flight a thread, then the tail; each thread
+     * sees its indices in increasing order, so a strict > keeps the first of equal values */
     float bv = -INFINITY;
     int bi = V;
-    for (int i = tid; i < V; i += nt) if (logits[i] > bv) { bv = logits[i]; bi = i; }
+    const int V4 = ((uintptr_t)logits & 15) == 0 ? V / 4 : 0;
+    const float4 *l4 = (const float4 *)logits;
+    for (int b = tid; b < V4; b += SB * nt) {
+        float4 v[SB];
+#pragma unroll
+        for (int u = 0; u < SB; u++) v[u] = b + u * nt < V4 ? l4[b + u * nt] : make_float4(-INFINITY, -INFINITY, -INFINITY, -INFINITY);
+#pragma unroll
+        for (int u = 0; u < SB; u++) {
+            const int i = 4 * (b + u * nt);
+            if (v[u].x > bv) { bv = v[u].x; bi = i; }
+            if (v[u].y > bv) { bv = v[u].y; bi = i + 1; }
+            if (v[u].z > bv) { bv = v[u].z; bi = i + 2; }
+            if (v[u].w > bv) { bv = v[u].w; bi = i + 3; }
+        }
+    }
+    for (int i = 4 * V4 + tid; i < V; i += nt) if (logits[i] > bv) { bv = logits[i]; bi = i; }
     for (int o = 16; o > 0; o >>= 1) {
         float ov = __shfl_xor_sync(0xffffffffu, bv, o);
         int oi = __shfl_xor_sync(0xffffffffu, bi, o);
@@ -2743,15 +2814,25 @@ __global__ void __launch_bounds__(1024) sample_kernel(const float *logits, int V
             if (red_v[w] > red_v[0] || (red_v[w] == red_v[0] && red_i[w] < red_i[0])) { red_v[0] = red_v[w]; red_i[0] = red_i[w]; }
     }
     __syncthreads();
+    TRACE_MARK(0);                          /* the trace build's marks: argmax, exp + sum, 3 radix passes, mass */
     if (T == 0.0f) { if (tid == 0) st->out = red_i[0]; return; }
+    /* e = exp(logit / T - max) into the scratch, and its sum (each thread adds its values in index order) */
     float mx = red_v[0] / T, sum = 0.0f;
-    for (int i = tid; i < V; i += nt) sum += expf(logits[i] / T - mx);
-    sum = block_sum(sum);
-#define PROB(i) (expf(logits[i] / T - mx) / sum)
+    for (int b = tid; b < V; b += SB * nt) {
+        float l[SB];
+#pragma unroll
+        for (int u = 0; u < SB; u++) l[u] = b + u * nt < V ? logits[b + u * nt] : 0.0f;
+#pragma unroll
+        for (int u = 0; u < SB; u++)
+            if (b + u * nt < V) { float x = expf(l[u] / T - mx); e[b + u * nt] = x; sum += x; }
+    }
+    sum = block_sum(sum);                   /* its barriers also make e visible to the whole block */
+    TRACE_MARK(1);
     uint32_t thr = 0;                       /* bits of the nucleus threshold; 0 = every token */
     if (topp > 0.0f && topp < 1.0f) {
         /* radix select, 11 + 11 + 10 bits from the top: the largest threshold whose mass (sum of p >= it)
          * exceeds topp. above = mass of the bins already known to be above the current prefix. */
+        const float skip = topp <= 0.999f ? (1.0f - topp) / (4.0f * (float)V) : 0.0f;
         float above = 0.0f;
         uint32_t prefix = 0;
         const int shifts[3] = {21, 10, 0}, widths[3] = {11, 11, 10};
@@ -2760,11 +2841,28 @@ __global__ void __launch_bounds__(1024) sample_kernel(const float *logits, int V
             for (int b = tid; b < nb; b += nt) hist[b] = 0.0f;
             __syncthreads();
             uint32_t himask = pass == 0 ? 0u : ~0u << (sft + widths[pass]);
-            for (int i = tid; i < V; i += nt) {
-                float p = PROB(i);
-                uint32_t u = __float_as_uint(p);
-                if ((u & himask) == prefix) atomicAdd(&hist[(u >> sft) & (nb - 1)], p);
+            int cb = -1;                    /* this thread's run: its bin and the mass it has gathered for it */
+            float ca = 0.0f;
+            for (int b = tid; b < V; b += SB * nt) {
+                float x[SB];
+#pragma unroll
+                for (int u = 0; u < SB; u++) x[u] = b + u * nt < V ? e[b + u * nt] : 0.0f;
+#pragma unroll
+                for (int u = 0; u < SB; u++) {
+                    const float p = x[u] / sum;
+                    const uint32_t bits = __float_as_uint(p);
+                    if (b + u * nt < V && p >= skip && (bits & himask) == prefix) {
+                        const int bin = (bits >> sft) & (nb - 1);
+                        if (bin != cb) {
+                            if (cb >= 0) atomicAdd(&hist[cb], ca);
+                            cb = bin;
+                            ca = 0.0f;
+                        }
+                        ca += p;
+                    }
+                }
             }
+            if (cb >= 0) atomicAdd(&hist[cb], ca);
             __syncthreads();
             if (tid == 0) {
                 float acc = above;
@@ -2777,13 +2875,24 @@ __global__ void __launch_bounds__(1024) sample_kernel(const float *logits, int V
             above = sh_f[0];
             prefix = sh_u[0];
             __syncthreads();
+            TRACE_MARK(2 + pass);
         }
         thr = prefix;
     }
-    /* the nucleus mass, then the token where the running mass in index order passes coin * mass */
+    /* the nucleus mass, then the token where the running mass in index order passes coin * mass; each thread owns
+     * a run of per tokens */
     int per = (V + nt - 1) / nt, i0 = tid * per, i1 = min(V, i0 + per);
     float mine = 0.0f;
-    for (int i = i0; i < i1; i++) { float p = PROB(i); if (__float_as_uint(p) >= thr) mine += p; }
+    for (int b = i0; b < i1; b += SB) {
+        float x[SB];
+#pragma unroll
+        for (int u = 0; u < SB; u++) x[u] = b + u < i1 ? e[b + u] : 0.0f;
+#pragma unroll
+        for (int u = 0; u < SB; u++) {
+            const float p = x[u] / sum;
+            if (b + u < i1 && __float_as_uint(p) >= thr) mine += p;
+        }
+    }
     /* exclusive scan of the per-thread masses */
     float incl = mine;
     for (int o = 1; o < 32; o <<= 1) { float v = __shfl_up_sync(0xffffffffu, incl, o); if (lane >= o) incl += v; }
@@ -2791,18 +2900,26 @@ __global__ void __launch_bounds__(1024) sample_kernel(const float *logits, int V
     __syncthreads();
     if (tid == 0) { float s = 0.0f; for (int w = 0; w < nt / 32; w++) { float v = red_v[w]; red_v[w] = s; s += v; } sh_f[1] = s; }
     __syncthreads();
+    TRACE_MARK(5);
     float excl = red_v[warp] + incl - mine, target = st->coin * sh_f[1];
     if (tid == 0) sh_u[1] = 0xFFFFFFFFu;
     __syncthreads();
     if (excl <= target && target < excl + mine) {
         float c = excl;
         int pick = -1;
-        for (int i = i0; i < i1; i++) {
-            float p = PROB(i);
-            if (__float_as_uint(p) < thr) continue;
-            pick = i;
-            c += p;
-            if (target < c) break;
+        bool done = false;
+        for (int b = i0; b < i1 && !done; b += SB) {
+            float x[SB];
+#pragma unroll
+            for (int u = 0; u < SB; u++) x[u] = b + u < i1 ? e[b + u] : 0.0f;
+#pragma unroll
+            for (int u = 0; u < SB; u++) {
+                const float p = x[u] / sum;
+                if (done || b + u >= i1 || __float_as_uint(p) < thr) continue;
+                pick = b + u;
+                c += p;
+                if (target < c) done = true;
+            }
         }
         if (pick >= 0) atomicMin(&sh_u[1], (uint32_t)pick);
     }
@@ -2810,11 +2927,10 @@ __global__ void __launch_bounds__(1024) sample_kernel(const float *logits, int V
     if (tid == 0) {
         uint32_t pick = sh_u[1];
         if (pick == 0xFFFFFFFFu) {          /* rounding left the target past the end: the last nucleus token */
-            for (int i = V - 1; i >= 0; i--) if (__float_as_uint(PROB(i)) >= thr) { pick = i; break; }
+            for (int i = V - 1; i >= 0; i--) if (__float_as_uint(e[i] / sum) >= thr) { pick = i; break; }
         }
         st->out = (int)pick;
     }
-#undef PROB
 }
 
 /* ----------------------------------------------------------------------------
@@ -2894,6 +3010,7 @@ struct GpuModel {
     void **h_gptr;
     float *h_logits;
     Step *h_step, *d_step;
+    float *sample_e;         /* the sampler's scratch: exp(logit / T - max), V floats */
     cudaStream_t stream;
     cublasHandle_t blas;
     cudaGraphExec_t graph, graph_long;   /* the decode step before long_from, and from it (if ctx reaches it) */
@@ -3285,6 +3402,7 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
     ALLOC(g->tokens, T, int);
     ALLOC(g->pos, 1, int);
     ALLOC(g->d_step, 1, Step);
+    ALLOC(g->sample_e, c->vocab_size, float);
     ALLOC(g->counters, 1 + c->n_kv_heads, int);
     ALLOC(g->ids, T, int);
     if (E) {
@@ -3380,7 +3498,7 @@ extern "C" void gpu_free(GpuModel *g) {
     if (g->graph_long) cudaGraphExecDestroy(g->graph_long);
     if (g->blas) cublasDestroy(g->blas);
     void *dev[] = {g->wbuf, g->kvbuf, g->x, g->xb, g->qkvg, g->att, g->mlp_h, g->mlp_act, g->act16, g->logits,
-                   g->part_o, g->part_ml, g->tokens, g->pos, g->d_step, g->counters, g->router_logits, g->topk_idx, g->topk_w,
+                   g->part_o, g->part_ml, g->tokens, g->pos, g->d_step, g->sample_e, g->counters, g->router_logits, g->topk_idx, g->topk_w,
                    g->pair_w, g->pair_tok, g->inv, g->start, g->active, g->n_active, g->h_pair, g->hs, g->y_pair,
                    g->ys, g->x_sorted, g->act_sorted, g->gptr, g->blk_cnt, g->tile_start, g->ids, g->taps, g->cat,
                    g->ctxv, g->wdq, g->act_few};
@@ -4017,7 +4135,8 @@ static void enqueue_decode(GpuModel *g) {
     CUDA_CHECK(cudaMemcpyAsync(g->tokens, &g->d_step->token, sizeof(int), cudaMemcpyDeviceToDevice, g->stream));
     CUDA_CHECK(cudaMemcpyAsync(g->pos, &g->d_step->pos, sizeof(int), cudaMemcpyDeviceToDevice, g->stream));
     forward_any(g, 1, 0, 0);
-    launch(g, sample_kernel, dim3(1), dim3(1024), 0, (const float *)g->logits, g->c.vocab_size, g->d_step);
+    launch(g, sample_kernel, dim3(1), dim3(1024), 0, (const float *)g->logits, g->c.vocab_size, g->d_step,
+           g->sample_e);
     g->pdl_now = 0;
     CUDA_CHECK(cudaMemcpyAsync(&g->h_step->out, &g->d_step->out, sizeof(int), cudaMemcpyDeviceToHost, g->stream));
 }

@@ -252,6 +252,45 @@ def test_gpu_column_slice_layouts(laguna_gpu, hidden, tmp_path):
         assert d <= TOL_F32
 
 
+# head_dim -> heads per layer and kv heads: the fused decode attention's other head dims (the fixtures have 16, the
+# mid-size model 128), each with a GQA group of 8 (its most) and odd groups (heads of a thread's set past the group)
+HEAD_DIMS = {
+    32: dict(num_attention_heads=16, num_attention_heads_per_layer=[16, 8, 16, 6], num_key_value_heads=2),
+    64: dict(num_attention_heads=6, num_attention_heads_per_layer=[6, 16, 2, 10], num_key_value_heads=2),
+}
+
+
+@pytest.mark.parametrize("head_dim", [32, 64])
+def test_gpu_decode_attention_head_dims(laguna_gpu, head_dim, tmp_path):
+    """The fused one-token attention (q / k norm, RoPE, the cache append, scores, softmax, p . V, the split merge and
+    the gate in one kernel, its tiles and thread mappings sized by the head dim) at head dims 32 and 64, which no
+    fixture has: a random f32 checkpoint (hidden 128, GQA groups 8, 4, 3, 1 and 5 across full and sliding layers),
+    160 tokens (several tiles of keys on the full layers, the sliding ring wrapped), against transformers in fp32:
+    token by token (--chunk 1, the fused kernel) and in one pass."""
+    sys.path.insert(0, os.path.join(ROOT, "test"))
+    import torch
+    import make_fixtures as mf
+    cfg = mf.LagunaConfig(**mf.base_config(hidden_size=128, head_dim=head_dim, vocab_size=1024, sliding_window=24,
+                                           **HEAD_DIMS[head_dim]))
+    model = mf.LagunaForCausalLM(cfg).float().eval()
+    gen = torch.Generator().manual_seed(head_dim)
+    mf.randomize(model, cfg, gen)
+    hf = str(tmp_path / "hf")
+    model.save_pretrained(hf)
+    ids = torch.randint(3, cfg.vocab_size, (160,), generator=gen)
+    with torch.no_grad():
+        ref = mf.load_ref(hf)(ids[None]).logits[0].float().numpy()
+    m = str(tmp_path / "m.bin")
+    run([sys.executable, os.path.join(ROOT, "export.py"), "-q", hf, m])
+    ids_file = tmp_path / "ids.txt"
+    ids_file.write_text(" ".join(str(int(i)) for i in ids))
+    for label, extra in (("token by token", ("--chunk", "1")), ("one pass", ())):
+        got, _ = score(laguna_gpu, m, str(ids_file), tmp_path, *extra)
+        d = float(np.abs(got - ref).max())
+        print(f"\n[gpu] head_dim {head_dim}, {label}: max |GPU - transformers| = {d:.3g} (bar {TOL_F32})")
+        assert d <= TOL_F32
+
+
 # (experts, top-k): decode_route ranks only the experts at or above the smallest of G >= k groups' bests (G = 8, 16,
 # 32 for k <= 8, 16, 32 with 256 threads); 64 experts leave groups empty (every expert ranked), 320 fill them all
 ROUTER_CASES = [(64, 7), (320, 7), (320, 13), (320, 21)]
