@@ -2,13 +2,15 @@
 # dev/device_ab.sh -- decode speed of this tree (B) against another commit (A), alternating runs in one device call,
 # so machine-to-machine differences (a few %) do not pass for a change's effect.
 #   here:   bash dev/device_ab.sh --prepare main      (A's sources into .ab/, which .git/info/exclude must ignore)
-#   here:   bash dev/device_ab.sh --prepare-alt .alt1 '-DLAGUNA_X=2'   (optional: this tree built with other flags)
+#   here:   bash dev/device_ab.sh --prepare-alt .alt1 '-DLAGUNA_X=2' [PATCH]   (optional: this tree built with other
+#           flags, '' for none, and/or with a patch applied, e.g. dev/patches/*.patch)
 #   device: run(command="OUT=$OUT bash dev/device_ab.sh", carry=[".ab"])
 # Builds both, exports the XS-2.1 synthetic file in each of $DTYPES (default bf16 q4 q8), then for each file runs
 # dev/bench_gpu at $CTX (default 512) $ROUNDS times (default 3) A, B, A, B, ... and prints each run and the means.
 # $VARIANTS: B is run once per word (default, or VAR=value[,VAR=value...] in its environment), e.g.
 # VARIANTS="default LAGUNA_X=1"; the label in ab.txt is B or B:word. A word A:VAR=value[,...] runs A with that
-# environment instead (label A:VAR=value), e.g. VARIANTS="default LAGUNA_BENCH_TEMP=0.6 A:LAGUNA_BENCH_TEMP=0.6".
+# environment instead (label A:VAR=value), e.g. VARIANTS="default LAGUNA_BENCH_TEMP=0.6 A:LAGUNA_BENCH_TEMP=0.6";
+# .DIR:VAR=value[,...] runs that ALTS build with it (label DIR:VAR=value).
 # Each run's line has the decode tok/s and the 16-token verification's ms per context; a variant with LAGUNA_PROF=1
 # adds its first run's verification profile.
 # $EXTRA: more B-only bench_gpu command lines (arguments after the file, e.g. "--kv fp8 8192 131072"; several
@@ -37,12 +39,14 @@ if [ "${1:-}" = --prepare ]; then
     exit
 fi
 if [ "${1:-}" = --prepare-alt ]; then
-    dir=${2:?usage: dev/device_ab.sh --prepare-alt DIR 'FLAGS'}; flags=${3:?usage: dev/device_ab.sh --prepare-alt DIR 'FLAGS'}
+    use="usage: dev/device_ab.sh --prepare-alt DIR 'FLAGS' [PATCH]"
+    dir=${2:?$use}; flags=${3?$use}; patchf=${4:-}
     grep -qx "/${dir#./}/" .git/info/exclude || echo "/${dir#./}/" >> .git/info/exclude
     rm -rf "$dir" && mkdir -p "$dir/dev"
     cp Makefile laguna.c laguna.cu laguna.h tokenizer.c tokenizer.h tokenizer_unicode.h "$dir"/ && cp dev/bench_gpu.c "$dir/dev/"
+    if [ -n "$patchf" ]; then patch -s -p1 -d "$dir" < "$patchf" || { echo "$patchf does not apply" >&2; exit 1; }; fi
     sed -i "s|^NVCCFLAGS ?= \(.*\)|NVCCFLAGS ?= \1 $flags|" "$dir/Makefile"
-    echo "this tree with $flags" > "$dir/REF" && grep '^NVCCFLAGS' "$dir/Makefile"
+    echo "this tree${patchf:+ + $patchf}${flags:+ with $flags}" > "$dir/REF" && cat "$dir/REF"
     exit
 fi
 [ -f .ab/Makefile ] || { echo "no .ab/: run 'bash dev/device_ab.sh --prepare COMMIT' here and carry .ab" >&2; exit 2; }
@@ -78,6 +82,7 @@ for dt in $DTYPES; do
             case $side in
                 A | default) ;;
                 A:*) bin=./.ab/dev/bench_gpu; label=$side; envs=${side#A:};;   # A with that environment
+                .*:*) bin=${side%%:*}/dev/bench_gpu; label=${side#.}; envs=${side#*:};;   # an ALTS build with it
                 *) label=B:$side; envs=$side;;
             esac
             log="$OUT/runs/$dt-${label//[:=,]/_}-$r.log"
@@ -125,6 +130,6 @@ mv "$OUT"/build_*.log "$OUT/export.log" "$OUT/runs/" 2>/dev/null   # read on fai
 [ "${TESTS:-0}" = 1 ] || exit 0
 if [ -n "${TEST_K:-}" ]; then set -- -k "$TEST_K"; else set --; fi   # TEST_K: a pytest -k expression
 timeout $(( ${DEADLINE:-585} - ($(date +%s) - t0) )) env ${TEST_ENV:-} \
-    python3 -m pytest -q -s -rs test/test_gpu.py test/test_gpu_fidelity.py "$@" > "$OUT/test.log" 2>&1
+    python3 -m pytest -q -s -rs --durations=15 test/test_gpu.py test/test_gpu_fidelity.py "$@" > "$OUT/test.log" 2>&1
 echo "GPU tests rc $? at $(( $(date +%s) - t0 )) s" >> "$S"
-grep "\[gpu\|passed\|failed\|XFAIL\|^E  " "$OUT/test.log" | cut -c1-220 | tail -80 >> "$S"
+grep "\[gpu\|passed\|failed\|XFAIL\|^E  \|s call " "$OUT/test.log" | cut -c1-220 | tail -80 >> "$S"

@@ -214,6 +214,11 @@ def main():
                         mk = np.nanmean(g["marks"][idx], axis=0)
                     cells = " ".join(f"{v:>6.2f}" if not np.isnan(v) else f"{'-':>6}" for v in mk)
                     print(f"  {names[j]:<14} {cells}   end {g['own'][idx].mean():>6.2f}")
+            mk = g["marks"][n - 1]                      # the sampler: argmax, exp + sum, radix passes 0-2, mass
+            if not np.isnan(mk).all():
+                cells = " ".join(f"{v:>6.2f}" if not np.isnan(v) else f"{'-':>6}" for v in mk)
+                print(f"sample (argmax, exp + sum, radix 0 / 1 / 2, mass):\n  {'sample':<14} {cells}   end "
+                      f"{g['own'][n - 1]:>6.2f}")
 
     if layers:
         grid, ts, te = data[0], data[1], data[3]
