@@ -85,6 +85,10 @@ dev/bulk_lab: dev/bulk_lab.cu dev/lab_graph.h laguna.cu laguna.h
 dev/few_lab: dev/few_lab.cu laguna.cu laguna.h
 	$(NVCC) $(NVCCFLAGS) dev/few_lab.cu -o $@ -lcublas
 
+# the device sampler's kernels against the CPU's top-p rule and distribution, V 16 .. 100,352 (dev/gpu_notes.md)
+dev/sample_lab: dev/sample_lab.cu laguna.cu laguna.h
+	$(NVCC) $(NVCCFLAGS) dev/sample_lab.cu -o $@ -lcublas
+
 bench: dev/bench_gpu dev/matvec_lab dev/bench_dflash
 	./dev/matvec_lab
 	python3 export.py -q --synthetic XS-2.1 /dev/shm/xs21.bin
@@ -94,7 +98,7 @@ bench: dev/bench_gpu dev/matvec_lab dev/bench_dflash
 
 .PHONY: clean test cuda cuda-compile test-gpu test-gpu-1 test-gpu-2 bench
 clean:
-	rm -f laguna laguna-debug laguna-cuda dev/bench_gpu dev/bench_gpu_trace dev/bench_dflash dev/matvec_lab dev/moe_gemm_lab dev/chain_lab dev/bulk_lab dev/few_lab *.o
+	rm -f laguna laguna-debug laguna-cuda dev/bench_gpu dev/bench_gpu_trace dev/bench_dflash dev/matvec_lab dev/moe_gemm_lab dev/chain_lab dev/bulk_lab dev/few_lab dev/sample_lab *.o
 
 # tokenizer speed: encode a file, tokens/s on one core (make bench_tokenizer && ./bench_tokenizer MODEL.bin FILE)
 bench_tokenizer: dev/bench_tokenizer.c tokenizer.c tokenizer.h tokenizer_unicode.h

@@ -456,17 +456,39 @@ __device__ __forceinline__ void dequant_chunk(WPtr row, int k, int n, T *dst) {
     }
 }
 
-/* h = embed[token] (no scaling); a quantized row is dequantized here (value * scale, as laguna.c's weight_row) */
+/* A decode step's parameters. The host writes them into mapped (pinned, device-visible) memory before it launches
+ * the step; the embedding kernel copies them to the device (d_step, and the position to g->pos) and the sampler
+ * writes the token it picks to both, so the step's graph is kernels only: no copy nodes before or after it. */
+struct Step { int token, pos; float temperature, topp, coin; int out; };
+
+/* h = embed[token] (no scaling); a quantized row is dequantized here (value * scale, as laguna.c's weight_row).
+ * A decode step (in != NULL, one block): the token comes from the host's Step, copied to st and pos on the way. */
 template <typename W>
-__global__ void embed_kernel(float *x, WPtr embed, const int *tokens, int H) {
+__global__ void embed_kernel(float *x, WPtr embed, const int *tokens, int H, const Step *in, Step *st, int *pos) {
     TRACE_BLOCK();
     int t = blockIdx.x;
+    __shared__ int tok;
+    if (in) {
+        if (threadIdx.x == 0) {
+            const volatile Step *s = in;
+            Step v;
+            v.token = s->token; v.pos = s->pos; v.temperature = s->temperature; v.topp = s->topp; v.coin = s->coin;
+            v.out = -1;
+            *st = v;
+            *pos = v.pos;
+            tok = v.token;
+        }
+        __syncthreads();
+    } else if (threadIdx.x == 0) {
+        tok = tokens[t];
+    }
+    __syncthreads();
     if constexpr (!is_q<W>) {
-        const W *row = (const W *)embed.v + (size_t)tokens[t] * H;
+        const W *row = (const W *)embed.v + (size_t)tok * H;
         for (int i = threadIdx.x; i < H; i += blockDim.x) x[(size_t)t * H + i] = to_f(row[i]);
     } else {
         constexpr int CH = Fmt<W>::CH;
-        WPtr row = wrow<W>(embed, tokens[t], H);
+        WPtr row = wrow<W>(embed, tok, H);
         for (int k = threadIdx.x * CH; k < H; k += blockDim.x * CH) dequant_chunk<W>(row, k, H, x + (size_t)t * H + k);
     }
 }
@@ -2754,36 +2776,165 @@ __global__ void swiglu_kernel(T *act, const float *h, size_t rows, int hid) {
 }
 
 /* ---- sampling on the device: only the token id crosses to the host ----
- * One block. Greedy: argmax (first index on ties). Otherwise softmax(logits / T) and top-p: the nucleus is
- * {p >= threshold}, the threshold found by a 3-pass radix select over the float bits of p (positive floats
- * order like their bits) so that its mass first exceeds top-p; then the token where the running mass, in
- * index order, passes coin * mass. Same distribution as the CPU sampler (which walks the sorted order).
- * Every pass reads its values SB at a time before using them (one L2 round trip per SB values, not per value), and
- * exp(logit / T - max) is computed once into the scratch e (V floats), so p = e[i] / sum in every later pass (the
- * same bits as computing it again). The radix passes skip p < (1 - topp) / 4V: those tokens hold under a quarter of
- * 1 - topp, so the tokens at or above them hold more than topp, the threshold is above them, and no bin the select
- * reads changes (dev/gpu_notes.md, round 16). A thread adds its tokens' p into a bin in runs: one shared-memory
- * atomic each time its bin changes, not one a token (nearly flat distributions put almost every token in a bin or
- * two of pass 0, and same-address atomics queue). On the full shapes' synthetic weights decode at T 0.6 / top-p
- * 0.95 is 0.38 ms a token slower than greedy with one value a round trip, exp in all 5 passes and an atomic a token
- * (393 against 462 tok/s), and still 0.35 ms with all three changed (404 against 470): most of that time is
- * elsewhere, in this kernel or outside it (not traced yet; dev/gpu_notes.md, round 16). */
-struct Step { int token, pos; float temperature, topp, coin; int out; };
-constexpr int SB = 8;                       /* values a thread loads before it uses them */
+ * Greedy: one block takes the argmax (first index on ties). Otherwise softmax(logits / T) and top-p: the nucleus is
+ * {p >= threshold}, the threshold found by a 3-pass radix select over the float bits of p (positive floats order
+ * like their bits) so that its mass first exceeds top-p; then the token where the running mass, in index order,
+ * passes coin * mass. Same distribution as the CPU sampler (which walks the sorted order).
+ * A token's probability counts as the integer q = p * 2^31 rounded to nearest (p <= 1: the q of all tokens add to at
+ * most 2^31 + V / 2, so 32 bits hold every sum): integer sums do not depend on their order, so the histograms take
+ * native atomics (shared-memory float atomics are compare-and-swap loops, which queue when many threads hit one
+ * bin), and the scans and the pick are exact and the same on every run. A q is off p * 2^31 by at most 1/2, and the
+ * errors of many tokens mostly cancel (truncating instead biased a flat 100K-token nucleus by ~4e-5 of mass, 5 tokens
+ * too many: dev/sample_lab).
+ * The work is spread over the GPU: SAMPLE_CHUNK tokens a block, one launch per step of the math --
+ *   sample_stats: each block's max logit and its sum of exp(logit / T - that max);
+ *   sample_radix (x 3): the global max and sum from those (every block, the same order: the same bits), then the
+ *     bins already chosen (the earlier passes' histograms, scanned by every block alike), then this pass's
+ *     histogram of p over the tokens still in play: a block's in shared memory, added into the global one;
+ *   sample_mass: the nucleus mass of each block's tokens;
+ *   sample_pick (one block): the block where coin * mass falls, then the token inside it.
+ * The radix passes skip p < (1 - topp) / 4V: those tokens hold under a quarter of 1 - topp, so the tokens at or
+ * above them hold more than topp, the threshold is above them, and no bin the select reads changes.
+ * Why several launches: one block of 1024 threads did it all before and was bound by its one SM's issue rate
+ * (~50 instructions a token in each of 5 passes over 100K tokens): 137 us a token at T 0.6, top-p 0.95 even with
+ * 16-byte loads, 8 histogram copies and block-wide scans, ~350 us before those. The chain takes 31 us in plain
+ * launches (dev/sample_lab, V 100,352), less in the decode graph: decode at T 0.6 / top-p 0.95 went 404 -> 464-473
+ * tok/s at 512 against 472-478 greedy (H200, dev/gpu_notes.md, round 17). dev/sample_lab checks the threshold
+ * against the CPU's rule and the draws against the distribution from V 16 to 100,352. */
+constexpr int SB = 8;                       /* argmax: 16-byte loads a thread has in flight */
+constexpr int SAMPLE_THREADS = 256, SAMPLE_PER = 8, SAMPLE_CHUNK = SAMPLE_THREADS * SAMPLE_PER;  /* tokens a block */
+/* radix pass k reads bits [RADIX_SHIFT(k), + RADIX_BITS(k)) of p (from bit 30 down: p >= 0, the sign bit is 0) */
+__host__ __device__ constexpr int RADIX_SHIFT(int k) { return k == 0 ? 20 : k == 1 ? 10 : 0; }
+__host__ __device__ constexpr int RADIX_BITS(int k) { return k == 0 ? 11 : 10; }
+__host__ __device__ constexpr int RADIX_OFF(int k) { return k == 0 ? 0 : k == 1 ? 2048 : 3072; }
+constexpr int RADIX_BINS = 4096;            /* the three passes' histograms, side by side */
 
-__global__ void __launch_bounds__(1024) sample_kernel(const float *logits, int V, Step *st, float *e) {
+/* the sampler's scratch on the device (gpu_init sizes stats and mass for ceil(V / SAMPLE_CHUNK) blocks) */
+struct SampleScratch {
+    uint32_t hist[RADIX_BINS];              /* pass k's bins at RADIX_OFF(k) (q units); zeroed by sample_stats */
+    float mx, sum;                          /* max logit / T and the sum of exp(logit / T - mx) (sample_radix's block 0) */
+    uint32_t thr, pad;                      /* the nucleus threshold's bits (sample_mass's block 0) */
+    float2 stats[1];                        /* [blocks]: (block's max logit, sum of exp(logit / T - its max / T)) */
+};
+static size_t sample_scratch_bytes(int V) {
+    const int nb = (V + SAMPLE_CHUNK - 1) / SAMPLE_CHUNK;
+    return sizeof(SampleScratch) + nb * sizeof(float2) + nb * sizeof(uint32_t);
+}
+__device__ __forceinline__ uint32_t *sample_mass_of(SampleScratch *s) { return (uint32_t *)(s->stats + gridDim.x); }
+
+/* the token, to the device's Step and to the host's (mapped memory: the host reads it once the step has finished) */
+__device__ __forceinline__ void put_token(Step *st, int *out_host, int token) {
+    st->out = token;
+    *(volatile int *)out_host = token;
+    __threadfence_system();
+}
+__device__ __forceinline__ uint32_t qmass(float p) { return __float2uint_rn(p * 2147483648.0f); }
+__device__ __forceinline__ bool top_p_on(float topp) { return topp > 0.0f && topp < 1.0f; }
+
+/* this thread's SAMPLE_PER consecutive logits of the block's chunk (-inf past V: p = 0, never drawn) */
+__device__ __forceinline__ int chunk_logits(const float *logits, int V, int blk, float l[SAMPLE_PER]) {
+    const int i0 = blk * SAMPLE_CHUNK + threadIdx.x * SAMPLE_PER;
+    if (i0 + SAMPLE_PER <= V && ((uintptr_t)(logits + i0) & 15) == 0) {
+        const float4 a = *(const float4 *)(logits + i0), b = *(const float4 *)(logits + i0 + 4);
+        l[0] = a.x; l[1] = a.y; l[2] = a.z; l[3] = a.w; l[4] = b.x; l[5] = b.y; l[6] = b.z; l[7] = b.w;
+    } else {
+        for (int k = 0; k < SAMPLE_PER; k++) l[k] = i0 + k < V ? logits[i0 + k] : -INFINITY;
+    }
+    return i0;
+}
+
+/* sum / max / exclusive scan over the block (SAMPLE_THREADS threads), every thread gets the result */
+template <typename T, typename Op> __device__ T sample_block_reduce(T v, Op op) {
+    __shared__ T red[SAMPLE_THREADS / 32];
+    for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+    __syncthreads();
+    T r = red[0];
+    for (int w = 1; w < SAMPLE_THREADS / 32; w++) r = op(r, red[w]);
+    return r;
+}
+__device__ uint32_t sample_block_excl_scan(uint32_t v, uint32_t *total) {
+    __shared__ uint32_t wsum[SAMPLE_THREADS / 32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    uint32_t incl = v;
+    for (int o = 1; o < 32; o <<= 1) { uint32_t u = __shfl_up_sync(0xffffffffu, incl, o); if (lane >= o) incl += u; }
+    __syncthreads();
+    if (lane == 31) wsum[warp] = incl;
+    __syncthreads();
+    uint32_t before = 0, all = 0;
+    for (int w = 0; w < SAMPLE_THREADS / 32; w++) { if (w < warp) before += wsum[w]; all += wsum[w]; }
+    *total = all;
+    return before + incl - v;
+}
+
+/* the radix select's scan of one pass's histogram h (nb bins), by the whole block: the highest bin b > 0 whose mass
+ * plus above plus the mass of the bins above it exceeds target (bin 0 if none); above grows by the bins above b.
+ * Each thread owns nb / SAMPLE_THREADS consecutive bins; the mass above a thread's bins is a suffix sum (in the warp
+ * by shuffles, then over the warps). Exact integers: the one bin where the mass above is still <= target. */
+__device__ int radix_scan(const uint32_t *h, int nb, uint32_t target, uint32_t &above) {
+    __shared__ uint32_t wt[SAMPLE_THREADS / 32], s_acc, s_acc0;
+    __shared__ int s_bin;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, per = nb / SAMPLE_THREADS;   /* 8 or 4 */
+    uint32_t hb[8], m = 0;
+#pragma unroll
+    for (int k = 0; k < 8; k++) { hb[k] = k < per ? __ldcg(h + tid * per + k) : 0; m += hb[k]; }
+    uint32_t S = m;                                  /* the bins from this thread's first up to the warp's last */
+    for (int o = 1; o < 32; o <<= 1) { uint32_t v = __shfl_down_sync(0xffffffffu, S, o); if (lane + o < 32) S += v; }
+    __syncthreads();                                 /* (the shared words may still be read by a previous call) */
+    if (lane == 0) wt[warp] = S;
+    if (tid == 0) s_bin = -1;
+    __syncthreads();
+    uint32_t run = above + S - m;
+    for (int w = warp + 1; w < SAMPLE_THREADS / 32; w++) run += wt[w];
+    for (int k = per - 1; k >= 0; k--) {
+        const int b = tid * per + k;
+        if (b == 0) { s_acc0 = run; break; }         /* the mass above bin 0, if no bin is found */
+        if (run <= target && run + hb[k] > target) { s_bin = b; s_acc = run; break; }
+        run += hb[k];
+    }
+    __syncthreads();
+    const int bin = s_bin;
+    above = bin >= 0 ? s_acc : s_acc0;
+    return bin >= 0 ? bin : 0;
+}
+/* the bits chosen by the first `passes` passes (and the mass above them) */
+__device__ uint32_t radix_prefix(const uint32_t *hist, int passes, uint32_t target, uint32_t &above) {
+    uint32_t prefix = 0;
+    above = 0;
+    for (int k = 0; k < passes; k++)
+        prefix |= (uint32_t)radix_scan(hist + RADIX_OFF(k), 1 << RADIX_BITS(k), target, above) << RADIX_SHIFT(k);
+    return prefix;
+}
+/* the global max (of logit / T) and sum from the blocks' stats; every block computes the same (warp 0, in order) */
+__device__ void softmax_norm(const SampleScratch *s, int nblk, float T, float &mx, float &sum) {
+    __shared__ float s_mx, s_sum;
+    if (threadIdx.x < 32) {
+        float m = -INFINITY;
+        for (int b = threadIdx.x; b < nblk; b += 32) m = fmaxf(m, __ldcg(&s->stats[b].x));
+        m = warp_max(m) / T;
+        float t = 0.0f;
+        for (int b = threadIdx.x; b < nblk; b += 32) {
+            const float2 st = __ldcg(&s->stats[b]);
+            t += st.y * expf(st.x / T - m);
+        }
+        t = warp_sum(t);
+        if (threadIdx.x == 0) { s_mx = m; s_sum = t; }
+    }
+    __syncthreads();
+    mx = s_mx;
+    sum = s_sum;
+}
+
+/* greedy: the argmax, one block, 16-byte loads with SB in flight a thread, then the tail; each thread sees its
+ * indices in increasing order, so a strict > keeps the first of equal values */
+__global__ void __launch_bounds__(1024) sample_greedy(const float *logits, int V, Step *st, int *out_host) {
     TRACE_BLOCK();
     griddep_wait();
     griddep_launch();
     __shared__ float red_v[32];
     __shared__ int red_i[32];
-    __shared__ float hist[2048];
-    __shared__ float sh_f[4];
-    __shared__ uint32_t sh_u[2];
     int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nt = blockDim.x;
-    float T = st->temperature, topp = st->topp;
-    /* argmax (also the max for the softmax), by 16-byte loads, SB in flight a thread, then the tail; each thread
-     * sees its indices in increasing order, so a strict > keeps the first of equal values */
     float bv = -INFINITY;
     int bi = V;
     const int V4 = ((uintptr_t)logits & 15) == 0 ? V / 4 : 0;
@@ -2812,124 +2963,155 @@ __global__ void __launch_bounds__(1024) sample_kernel(const float *logits, int V
     if (tid == 0) {
         for (int w = 1; w < nt / 32; w++)
             if (red_v[w] > red_v[0] || (red_v[w] == red_v[0] && red_i[w] < red_i[0])) { red_v[0] = red_v[w]; red_i[0] = red_i[w]; }
+        put_token(st, out_host, red_i[0]);
     }
+}
+
+/* each block's max logit and its sum of exp(logit / T - max / T); block 0 zeroes the radix histograms */
+__global__ void __launch_bounds__(SAMPLE_THREADS) sample_stats(const float *logits, int V, const Step *st,
+                                                               SampleScratch *s) {
+    TRACE_BLOCK();
+    griddep_wait();
+    griddep_launch();
+    const float T = st->temperature;
+    float l[SAMPLE_PER];
+    chunk_logits(logits, V, blockIdx.x, l);
+    float m = -INFINITY;
+    for (int k = 0; k < SAMPLE_PER; k++) m = fmaxf(m, l[k]);
+    m = sample_block_reduce(m, [](float a, float b) { return fmaxf(a, b); });
+    float t = 0.0f;
+    for (int k = 0; k < SAMPLE_PER; k++) t += expf(l[k] / T - m / T);
+    t = sample_block_reduce(t, [](float a, float b) { return a + b; });
+    if (threadIdx.x == 0) s->stats[blockIdx.x] = make_float2(m, t);
+    if (blockIdx.x == 0) for (int b = threadIdx.x; b < RADIX_BINS; b += SAMPLE_THREADS) s->hist[b] = 0;
+}
+
+/* radix pass `pass` (0..2): the tokens of this block whose bits match the bins the earlier passes chose, into this
+ * pass's histogram (a block's in shared memory first: one global atomic per bin it touched) */
+__global__ void __launch_bounds__(SAMPLE_THREADS) sample_radix(const float *logits, int V, const Step *st,
+                                                               SampleScratch *s, int pass) {
+    TRACE_BLOCK();
+    __shared__ uint32_t hist[2048];
+    griddep_wait();
+    griddep_launch();
+    const float T = st->temperature, topp = st->topp;
+    if (!top_p_on(topp)) return;
+    float mx, sum;                                  /* pass 0 finds them, the later passes read pass 0's */
+    if (pass == 0) {
+        softmax_norm(s, gridDim.x, T, mx, sum);
+        if (blockIdx.x == 0 && threadIdx.x == 0) { s->mx = mx; s->sum = sum; }
+    } else {
+        mx = __ldcg(&s->mx);
+        sum = __ldcg(&s->sum);
+    }
+    const uint32_t target = (uint32_t)((double)topp * 2147483648.0);
+    uint32_t above;
+    const uint32_t prefix = radix_prefix(s->hist, pass, target, above);
+    const int nb = 1 << RADIX_BITS(pass), sft = RADIX_SHIFT(pass);
+    const uint32_t himask = ~0u << (sft + RADIX_BITS(pass));  /* the bits already chosen (pass 0: the sign bit) */
+    for (int b = threadIdx.x; b < nb; b += SAMPLE_THREADS) hist[b] = 0;
     __syncthreads();
-    TRACE_MARK(0);                          /* the trace build's marks: argmax, exp + sum, 3 radix passes, mass */
-    if (T == 0.0f) { if (tid == 0) st->out = red_i[0]; return; }
-    /* e = exp(logit / T - max) into the scratch, and its sum (each thread adds its values in index order) */
-    float mx = red_v[0] / T, sum = 0.0f;
-    for (int b = tid; b < V; b += SB * nt) {
-        float l[SB];
-#pragma unroll
-        for (int u = 0; u < SB; u++) l[u] = b + u * nt < V ? logits[b + u * nt] : 0.0f;
-#pragma unroll
-        for (int u = 0; u < SB; u++)
-            if (b + u * nt < V) { float x = expf(l[u] / T - mx); e[b + u * nt] = x; sum += x; }
+    const float skip = topp <= 0.999f ? (1.0f - topp) / (4.0f * (float)V) : 0.0f;
+    float l[SAMPLE_PER];
+    chunk_logits(logits, V, blockIdx.x, l);
+    int cb = -1;                                    /* this thread's run: its bin and the mass it has gathered */
+    uint32_t ca = 0;
+    for (int k = 0; k < SAMPLE_PER; k++) {
+        const float p = expf(l[k] / T - mx) / sum;
+        const uint32_t bits = __float_as_uint(p);
+        if (p >= skip && (bits & himask) == prefix) {
+            const int bin = (bits >> sft) & (nb - 1);
+            if (bin != cb) { if (cb >= 0) atomicAdd(&hist[cb], ca); cb = bin; ca = 0; }
+            ca += qmass(p);
+        }
     }
-    sum = block_sum(sum);                   /* its barriers also make e visible to the whole block */
-    TRACE_MARK(1);
-    uint32_t thr = 0;                       /* bits of the nucleus threshold; 0 = every token */
-    if (topp > 0.0f && topp < 1.0f) {
-        /* radix select, 11 + 11 + 10 bits from the top: the largest threshold whose mass (sum of p >= it)
-         * exceeds topp. above = mass of the bins already known to be above the current prefix. */
-        const float skip = topp <= 0.999f ? (1.0f - topp) / (4.0f * (float)V) : 0.0f;
-        float above = 0.0f;
-        uint32_t prefix = 0;
-        const int shifts[3] = {21, 10, 0}, widths[3] = {11, 11, 10};
-        for (int pass = 0; pass < 3; pass++) {
-            int nb = 1 << widths[pass], sft = shifts[pass];
-            for (int b = tid; b < nb; b += nt) hist[b] = 0.0f;
-            __syncthreads();
-            uint32_t himask = pass == 0 ? 0u : ~0u << (sft + widths[pass]);
-            int cb = -1;                    /* this thread's run: its bin and the mass it has gathered for it */
-            float ca = 0.0f;
-            for (int b = tid; b < V; b += SB * nt) {
-                float x[SB];
-#pragma unroll
-                for (int u = 0; u < SB; u++) x[u] = b + u * nt < V ? e[b + u * nt] : 0.0f;
-#pragma unroll
-                for (int u = 0; u < SB; u++) {
-                    const float p = x[u] / sum;
-                    const uint32_t bits = __float_as_uint(p);
-                    if (b + u * nt < V && p >= skip && (bits & himask) == prefix) {
-                        const int bin = (bits >> sft) & (nb - 1);
-                        if (bin != cb) {
-                            if (cb >= 0) atomicAdd(&hist[cb], ca);
-                            cb = bin;
-                            ca = 0.0f;
-                        }
-                        ca += p;
-                    }
-                }
+    if (cb >= 0) atomicAdd(&hist[cb], ca);
+    __syncthreads();
+    for (int b = threadIdx.x; b < nb; b += SAMPLE_THREADS)
+        if (hist[b]) atomicAdd(&s->hist[RADIX_OFF(pass) + b], hist[b]);
+}
+
+/* the nucleus threshold (block 0 keeps it for the pick) and each block's nucleus mass */
+__global__ void __launch_bounds__(SAMPLE_THREADS) sample_mass(const float *logits, int V, const Step *st,
+                                                              SampleScratch *s) {
+    TRACE_BLOCK();
+    griddep_wait();
+    griddep_launch();
+    const float T = st->temperature, topp = st->topp;
+    float mx, sum;
+    uint32_t thr = 0, above;                        /* 0: every token (no top-p) */
+    if (top_p_on(topp)) {
+        mx = __ldcg(&s->mx);
+        sum = __ldcg(&s->sum);
+        thr = radix_prefix(s->hist, 3, (uint32_t)((double)topp * 2147483648.0), above);
+    } else {
+        softmax_norm(s, gridDim.x, T, mx, sum);
+        if (blockIdx.x == 0 && threadIdx.x == 0) { s->mx = mx; s->sum = sum; }
+    }
+    if (blockIdx.x == 0 && threadIdx.x == 0) s->thr = thr;
+    float l[SAMPLE_PER];
+    chunk_logits(logits, V, blockIdx.x, l);
+    uint32_t m = 0;
+    for (int k = 0; k < SAMPLE_PER; k++) {
+        const float p = expf(l[k] / T - mx) / sum;
+        if (__float_as_uint(p) >= thr) m += qmass(p);
+    }
+    m = sample_block_reduce(m, [](uint32_t a, uint32_t b) { return a + b; });
+    if (threadIdx.x == 0) sample_mass_of(s)[blockIdx.x] = m;
+}
+
+/* one block: the chunk where coin * (nucleus mass) falls, then the token inside it, in index order */
+__global__ void __launch_bounds__(SAMPLE_THREADS) sample_pick(const float *logits, int V, int nblk, Step *st,
+                                                              SampleScratch *s, int *out_host) {
+    TRACE_BLOCK();
+    griddep_wait();
+    griddep_launch();
+    __shared__ int s_blk, s_tok;
+    __shared__ uint32_t s_base;
+    const float T = st->temperature, mx = __ldcg(&s->mx), sum = __ldcg(&s->sum);
+    const uint32_t thr = __ldcg(&s->thr);
+    const uint32_t *mass = (const uint32_t *)(s->stats + nblk);
+    /* each thread a run of consecutive chunks' masses; the exclusive scan gives each chunk's start */
+    const int per = (nblk + SAMPLE_THREADS - 1) / SAMPLE_THREADS, c0 = threadIdx.x * per;
+    uint32_t mine = 0;
+    for (int c = c0; c < c0 + per && c < nblk; c++) mine += __ldcg(mass + c);
+    uint32_t M;
+    uint32_t run = sample_block_excl_scan(mine, &M);
+    const uint32_t target = (uint32_t)((double)st->coin * (double)M);   /* coin < 1: target < M */
+    if (threadIdx.x == 0) { s_blk = -1; s_tok = -1; }
+    __syncthreads();
+    if (run <= target && target < run + mine)       /* exactly one thread */
+        for (int c = c0; c < c0 + per && c < nblk; c++) {
+            const uint32_t mc = __ldcg(mass + c);
+            if (target < run + mc) { s_blk = c; s_base = run; break; }
+            run += mc;
+        }
+    __syncthreads();
+    const int blk = s_blk;
+    if (blk >= 0) {                                 /* (always, but for a mass of 0: then the argmax below) */
+        float l[SAMPLE_PER];
+        const int i0 = chunk_logits(logits, V, blk, l);
+        uint32_t q[SAMPLE_PER], t = 0;
+        for (int k = 0; k < SAMPLE_PER; k++) {
+            const float p = expf(l[k] / T - mx) / sum;
+            q[k] = __float_as_uint(p) >= thr ? qmass(p) : 0u;
+            t += q[k];
+        }
+        uint32_t tot, c = s_base + sample_block_excl_scan(t, &tot);
+        if (c <= target && target < c + t)
+            for (int k = 0; k < SAMPLE_PER; k++) {
+                c += q[k];
+                if (target < c) { s_tok = i0 + k; break; }
             }
-            if (cb >= 0) atomicAdd(&hist[cb], ca);
-            __syncthreads();
-            if (tid == 0) {
-                float acc = above;
-                int b = nb - 1;
-                for (; b > 0; b--) { if (acc + hist[b] > topp) break; acc += hist[b]; }
-                sh_f[0] = acc;
-                sh_u[0] = prefix | ((uint32_t)b << sft);
-            }
-            __syncthreads();
-            above = sh_f[0];
-            prefix = sh_u[0];
-            __syncthreads();
-            TRACE_MARK(2 + pass);
-        }
-        thr = prefix;
-    }
-    /* the nucleus mass, then the token where the running mass in index order passes coin * mass; each thread owns
-     * a run of per tokens */
-    int per = (V + nt - 1) / nt, i0 = tid * per, i1 = min(V, i0 + per);
-    float mine = 0.0f;
-    for (int b = i0; b < i1; b += SB) {
-        float x[SB];
-#pragma unroll
-        for (int u = 0; u < SB; u++) x[u] = b + u < i1 ? e[b + u] : 0.0f;
-#pragma unroll
-        for (int u = 0; u < SB; u++) {
-            const float p = x[u] / sum;
-            if (b + u < i1 && __float_as_uint(p) >= thr) mine += p;
-        }
-    }
-    /* exclusive scan of the per-thread masses */
-    float incl = mine;
-    for (int o = 1; o < 32; o <<= 1) { float v = __shfl_up_sync(0xffffffffu, incl, o); if (lane >= o) incl += v; }
-    if (lane == 31) red_v[warp] = incl;
-    __syncthreads();
-    if (tid == 0) { float s = 0.0f; for (int w = 0; w < nt / 32; w++) { float v = red_v[w]; red_v[w] = s; s += v; } sh_f[1] = s; }
-    __syncthreads();
-    TRACE_MARK(5);
-    float excl = red_v[warp] + incl - mine, target = st->coin * sh_f[1];
-    if (tid == 0) sh_u[1] = 0xFFFFFFFFu;
-    __syncthreads();
-    if (excl <= target && target < excl + mine) {
-        float c = excl;
-        int pick = -1;
-        bool done = false;
-        for (int b = i0; b < i1 && !done; b += SB) {
-            float x[SB];
-#pragma unroll
-            for (int u = 0; u < SB; u++) x[u] = b + u < i1 ? e[b + u] : 0.0f;
-#pragma unroll
-            for (int u = 0; u < SB; u++) {
-                const float p = x[u] / sum;
-                if (done || b + u >= i1 || __float_as_uint(p) < thr) continue;
-                pick = b + u;
-                c += p;
-                if (target < c) done = true;
-            }
-        }
-        if (pick >= 0) atomicMin(&sh_u[1], (uint32_t)pick);
     }
     __syncthreads();
-    if (tid == 0) {
-        uint32_t pick = sh_u[1];
-        if (pick == 0xFFFFFFFFu) {          /* rounding left the target past the end: the last nucleus token */
-            for (int i = V - 1; i >= 0; i--) if (__float_as_uint(e[i] / sum) >= thr) { pick = i; break; }
+    if (threadIdx.x == 0) {
+        int tok = s_tok;
+        if (tok < 0) {                              /* a zero mass (cannot happen: the max token has p >= 1 / V) */
+            float bv = -INFINITY;
+            for (int i = 0; i < V; i++) if (logits[i] > bv) { bv = logits[i]; tok = i; }
         }
-        st->out = (int)pick;
+        put_token(st, out_host, tok);
     }
 }
 
@@ -3009,11 +3191,14 @@ struct GpuModel {
     int *h_tokens, *h_start;
     void **h_gptr;
     float *h_logits;
-    Step *h_step, *d_step;
-    float *sample_e;         /* the sampler's scratch: exp(logit / T - max), V floats */
+    Step *h_step, *d_step;   /* decode parameters: on the host (mapped memory, pinned) and on the device */
+    Step *m_step;            /* h_step as the device sees it */
+    int step_in;             /* set while enqueueing a decode step: the embedding reads the token from m_step */
+    SampleScratch *sample_s; /* the sampler's histograms and per-block sums (sample_scratch_bytes) */
     cudaStream_t stream;
     cublasHandle_t blas;
-    cudaGraphExec_t graph, graph_long;   /* the decode step before long_from, and from it (if ctx reaches it) */
+    cudaGraphExec_t graph[2], graph_long[2];   /* the decode step before long_from, and from it (if ctx reaches it);
+                                                  [0] greedy, [1] sampled (temperature > 0) */
     int use_graph;
     char summary[256];
     /* DFlash (the section at the end of this file) */
@@ -3402,7 +3587,7 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
     ALLOC(g->tokens, T, int);
     ALLOC(g->pos, 1, int);
     ALLOC(g->d_step, 1, Step);
-    ALLOC(g->sample_e, c->vocab_size, float);
+    ALLOC(g->sample_s, sample_scratch_bytes(c->vocab_size), char);
     ALLOC(g->counters, 1 + c->n_kv_heads, int);
     ALLOC(g->ids, T, int);
     if (E) {
@@ -3441,7 +3626,8 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
     CUDA_CHECK(cudaMemset(g->counters, 0, (1 + c->n_kv_heads) * sizeof(int)));   /* each user resets its own */
     CUDA_CHECK(cudaMallocHost(&g->h_tokens, T * sizeof(int)));
     CUDA_CHECK(cudaMallocHost(&g->h_logits, (size_t)T * c->vocab_size * sizeof(float)));
-    CUDA_CHECK(cudaMallocHost(&g->h_step, sizeof(Step)));
+    CUDA_CHECK(cudaHostAlloc(&g->h_step, sizeof(Step), cudaHostAllocMapped));
+    CUDA_CHECK(cudaHostGetDevicePointer((void **)&g->m_step, g->h_step, 0));
     CUDA_CHECK(cudaMallocHost(&g->h_ids, T * sizeof(int)));
     if (E) {
         CUDA_CHECK(cudaMallocHost(&g->h_start, (E + 1) * sizeof(int)));
@@ -3494,11 +3680,13 @@ static void prof_report(GpuModel *g);
 extern "C" void gpu_free(GpuModel *g) {
     if (!g) return;
     prof_report(g);
-    if (g->graph) cudaGraphExecDestroy(g->graph);
-    if (g->graph_long) cudaGraphExecDestroy(g->graph_long);
+    for (int i = 0; i < 2; i++) {
+        if (g->graph[i]) cudaGraphExecDestroy(g->graph[i]);
+        if (g->graph_long[i]) cudaGraphExecDestroy(g->graph_long[i]);
+    }
     if (g->blas) cublasDestroy(g->blas);
     void *dev[] = {g->wbuf, g->kvbuf, g->x, g->xb, g->qkvg, g->att, g->mlp_h, g->mlp_act, g->act16, g->logits,
-                   g->part_o, g->part_ml, g->tokens, g->pos, g->d_step, g->sample_e, g->counters, g->router_logits, g->topk_idx, g->topk_w,
+                   g->part_o, g->part_ml, g->tokens, g->pos, g->d_step, g->sample_s, g->counters, g->router_logits, g->topk_idx, g->topk_w,
                    g->pair_w, g->pair_tok, g->inv, g->start, g->active, g->n_active, g->h_pair, g->hs, g->y_pair,
                    g->ys, g->x_sorted, g->act_sorted, g->gptr, g->blk_cnt, g->tile_start, g->ids, g->taps, g->cat,
                    g->ctxv, g->wdq, g->act_few};
@@ -4025,12 +4213,15 @@ template <typename W, typename P>
 static void forward_gpu(GpuModel *g, int n, int pos, int all_logits) {
     const Config *c = &g->c;
     int H = c->dim, D = c->head_dim, V = c->vocab_size, DT = Fmt<W>::DT;
-    g->pdl_now = 0;        /* the embedding follows the step's parameter copies: a plain launch */
+    g->pdl_now = 0;        /* the embedding: a plain launch (it follows the previous step or the host's copies) */
+    const Step *in = g->step_in ? g->m_step : NULL;   /* a decode step: the token from the host's Step */
+#define EMBED(WT, M) embed_kernel<WT><<<n, 256, 0, g->stream>>>(g->x, M, g->tokens, H, in, g->d_step, g->pos)
     switch (g->edt) {      /* a quantized embedding: q8 (also in q4 files) */
-    case DT_Q8: embed_kernel<Q8><<<n, 256, 0, g->stream>>>(g->x, wmat(DT_Q8, g->embed, V, H), g->tokens, H); break;
-    case DT_Q4: embed_kernel<Q4><<<n, 256, 0, g->stream>>>(g->x, wmat(DT_Q4, g->embed, V, H), g->tokens, H); break;
-    default: embed_kernel<P><<<n, 256, 0, g->stream>>>(g->x, WPtr(g->embed), g->tokens, H);
+    case DT_Q8: EMBED(Q8, wmat(DT_Q8, g->embed, V, H)); break;
+    case DT_Q4: EMBED(Q4, wmat(DT_Q4, g->embed, V, H)); break;
+    default: EMBED(P, WPtr(g->embed));
     }
+#undef EMBED
     LAUNCH_CHECK();
     prof_mark(g, "embed");
     g->pdl_now = g->pdl && n == 1;
@@ -4130,33 +4321,45 @@ extern "C" float *gpu_forward(GpuModel *g, const int *tokens, int n, int pos, in
  * captured at init; the token and position live in device memory, so the same graph serves every position.
  * A graph rather than a persistent kernel: the kernels stay small and separately testable, and replay removes
  * the launch gaps; a persistent kernel for the whole step was built and measured slower (dev/gpu_notes.md). */
-static void enqueue_decode(GpuModel *g) {
-    CUDA_CHECK(cudaMemcpyAsync(g->d_step, g->h_step, sizeof(Step), cudaMemcpyHostToDevice, g->stream));
-    CUDA_CHECK(cudaMemcpyAsync(g->tokens, &g->d_step->token, sizeof(int), cudaMemcpyDeviceToDevice, g->stream));
-    CUDA_CHECK(cudaMemcpyAsync(g->pos, &g->d_step->pos, sizeof(int), cudaMemcpyDeviceToDevice, g->stream));
+static void enqueue_decode(GpuModel *g, int sampled) {
+    const int V = g->c.vocab_size, nblk = (V + SAMPLE_CHUNK - 1) / SAMPLE_CHUNK;
+    const float *lg = g->logits;
+    g->step_in = 1;
     forward_any(g, 1, 0, 0);
-    launch(g, sample_kernel, dim3(1), dim3(1024), 0, (const float *)g->logits, g->c.vocab_size, g->d_step,
-           g->sample_e);
+    g->step_in = 0;
+    if (!sampled) {
+        launch(g, sample_greedy, dim3(1), dim3(1024), 0, lg, V, g->d_step, &g->m_step->out);
+    } else {        /* softmax's sums, the 3 radix passes (they return at once without top-p), masses, the pick */
+        launch(g, sample_stats, dim3(nblk), dim3(SAMPLE_THREADS), 0, lg, V, (const Step *)g->d_step, g->sample_s);
+        for (int pass = 0; pass < 3; pass++)
+            launch(g, sample_radix, dim3(nblk), dim3(SAMPLE_THREADS), 0, lg, V, (const Step *)g->d_step, g->sample_s,
+                   pass);
+        launch(g, sample_mass, dim3(nblk), dim3(SAMPLE_THREADS), 0, lg, V, (const Step *)g->d_step, g->sample_s);
+        launch(g, sample_pick, dim3(1), dim3(SAMPLE_THREADS), 0, lg, V, nblk, g->d_step, g->sample_s,
+               &g->m_step->out);
+    }
     g->pdl_now = 0;
-    CUDA_CHECK(cudaMemcpyAsync(&g->h_step->out, &g->d_step->out, sizeof(int), cudaMemcpyDeviceToHost, g->stream));
 }
 
-static void capture_decode_one(GpuModel *g, int long_attn, cudaGraphExec_t *exec) {
+static void capture_decode_one(GpuModel *g, int long_attn, int sampled, cudaGraphExec_t *exec) {
     cudaGraph_t graph;
     g->long_attn = long_attn;
     CUDA_CHECK(cudaStreamBeginCapture(g->stream, cudaStreamCaptureModeThreadLocal));
-    enqueue_decode(g);
+    enqueue_decode(g, sampled);
     CUDA_CHECK(cudaStreamEndCapture(g->stream, &graph));
     CUDA_CHECK(cudaGraphInstantiate(exec, graph, 0));
     CUDA_CHECK(cudaGraphDestroy(graph));
 }
-/* the step for positions below long_from, and, if the context reaches it and some layer would differ, from it */
+/* the step for positions below long_from, and, if the context reaches it and some layer would differ, from it;
+ * each greedy and sampled */
 static void capture_decode(GpuModel *g) {
     int differs = 0;
     g->long_attn = 1;
     for (int l = 0; l < g->c.n_layers; l++) differs |= long_decode_attention(g, l, 1);
-    capture_decode_one(g, 0, &g->graph);
-    if (differs && g->ctx > g->long_from) capture_decode_one(g, 1, &g->graph_long);
+    for (int sampled = 0; sampled < 2; sampled++) {
+        capture_decode_one(g, 0, sampled, &g->graph[sampled]);
+        if (differs && g->ctx > g->long_from) capture_decode_one(g, 1, sampled, &g->graph_long[sampled]);
+    }
 }
 
 extern "C" int gpu_decode_step(GpuModel *g, int token, int pos, float temperature, float topp, float coin) {
@@ -4164,11 +4367,12 @@ extern "C" int gpu_decode_step(GpuModel *g, int token, int pos, float temperatur
     Step *s = g->h_step;
     s->token = token; s->pos = pos; s->temperature = temperature; s->topp = topp; s->coin = coin; s->out = -1;
     g->long_attn = pos >= g->long_from;
-    cudaGraphExec_t ge = g->long_attn && g->graph_long ? g->graph_long : g->graph;
+    const int sampled = temperature > 0.0f;
+    cudaGraphExec_t ge = g->long_attn && g->graph_long[sampled] ? g->graph_long[sampled] : g->graph[sampled];
     if (ge) CUDA_CHECK(cudaGraphLaunch(ge, g->stream));
-    else enqueue_decode(g);
+    else enqueue_decode(g, sampled);
     CUDA_CHECK(cudaStreamSynchronize(g->stream));
-    return s->out;
+    return *(volatile int *)&s->out;   /* the sampler wrote it through the mapping */
 }
 
 #ifdef LAGUNA_TRACE

@@ -108,9 +108,16 @@ def grids(grid, ts, tw, te, waited, marks):
     return g
 
 
+def lm_head_index(blocks):
+    """lm_head: the last of the grids with the most blocks (V / 8 rows a block: more than any layer's); the sampler's
+    grids follow it (one greedy, several when sampling)"""
+    most = max(blocks[1:]) if len(blocks) > 1 else 0
+    return max(i for i in range(1, len(blocks)) if blocks[i] == most) if len(blocks) >= 3 else len(blocks) - 2
+
+
 def split_layers(blocks, n_layers):
     """the middle grids' indices per layer, or None"""
-    mid = list(range(1, len(blocks) - 2))
+    mid = list(range(1, lm_head_index(blocks)))
     if n_layers > 0 and len(mid) % n_layers == 0 and len(mid) >= n_layers:
         k = len(mid) // n_layers
         return [mid[i:i + k] for i in range(0, len(mid), k)]
@@ -152,15 +159,19 @@ def main():
     us = {k: g[k] / 1e3 for k in ("start", "last", "wait", "end", "gap", "pre", "span", "step", "launch")}
     layers = split_layers(g["blocks"], args.layers)
     label = [f"#{i}" for i in range(n)]
+    lm = lm_head_index(g["blocks"])
+    samplers = list(range(lm + 1, n))
     if n >= 3:
-        label[0], label[-2], label[-1] = "embed", "lm_head", "sample"
+        label[0], label[lm] = "embed", "lm_head"
+        for j, i in enumerate(samplers):
+            label[i] = "sample" if len(samplers) == 1 else f"sample.{j}"
     if layers:
         for li, idx in enumerate(layers):
             names = NAMES.get(len(idx), [f"k{j}" for j in range(len(idx))])
             for j, i in enumerate(idx):
                 label[i] = f"L{li}.{names[j]}"
     elif n > 3:
-        print(f"warning: the {n - 3} grids between the embedding and lm_head do not split into {args.layers} "
+        print(f"warning: the {lm - 1} grids between the embedding and lm_head do not split into {args.layers} "
               "layers of a fixed pattern (--layers N to change): the full list only", file=sys.stderr)
 
     print("\n(a) every grid, us from the step's first start (gap: wait - previous end; pre: wait - start; span: end - "
@@ -170,7 +181,7 @@ def main():
     print(hdr)
     show = set(range(n))
     if layers and args.brief:                               # the embedding, the first two and last layers, the end
-        show = {0, n - 2, n - 1} | set(i for idx in layers[:2] + layers[-1:] for i in idx)
+        show = {0, lm} | set(samplers) | set(i for idx in layers[:2] + layers[-1:] for i in idx)
     skipped = False
     for i in range(n):
         if i not in show:
@@ -214,11 +225,10 @@ def main():
                         mk = np.nanmean(g["marks"][idx], axis=0)
                     cells = " ".join(f"{v:>6.2f}" if not np.isnan(v) else f"{'-':>6}" for v in mk)
                     print(f"  {names[j]:<14} {cells}   end {g['own'][idx].mean():>6.2f}")
-            mk = g["marks"][n - 1]                      # the sampler: argmax, exp + sum, radix passes 0-2, mass
-            if not np.isnan(mk).all():
-                cells = " ".join(f"{v:>6.2f}" if not np.isnan(v) else f"{'-':>6}" for v in mk)
-                print(f"sample (argmax, exp + sum, radix 0 / 1 / 2, mass):\n  {'sample':<14} {cells}   end "
-                      f"{g['own'][n - 1]:>6.2f}")
+            print("the sampler's grids (greedy: the argmax; sampling: stats, radix 0 / 1 / 2, mass, pick): blocks, "
+                  "us from the previous grid's end to this one's (step), own end after its wait")
+            for i in samplers:
+                print(f"  {label[i]:<14} {g['blocks'][i]:>6} step {us['step'][i]:>7.2f}   end {g['own'][i]:>6.2f}")
 
     if layers:
         grid, ts, te = data[0], data[1], data[3]

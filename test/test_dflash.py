@@ -97,8 +97,9 @@ def test_greedy_lossless_with_acceptances_and_rollback(laguna, models, tmp_path)
     assert accepted > 0
 
 
-def exact_second_token(laguna, model, prompt, temperature, topp, tmp_path):
-    """p(t2) = sum_t1 p(t1 | prompt) p(t2 | prompt t1), with the sampler's temperature and top-p."""
+def exact_second_token(laguna, model, prompt, temperature, topp, tmp_path, vocab=16, eos=15):
+    """p(t2) = sum_t1 p(t1 | prompt) p(t2 | prompt t1), with the sampler's temperature and top-p (t1 = eos ends the
+    run before a second token: left out, as second_tokens leaves out such runs)."""
     def dist(row):
         z = row.astype(np.float64) / temperature
         p = np.exp(z - z.max())
@@ -110,27 +111,29 @@ def exact_second_token(laguna, model, prompt, temperature, topp, tmp_path):
             q[order[:keep]] = p[order[:keep]]
             p = q / q.sum()
         return p
-    p2 = np.zeros(16)
+    p2 = np.zeros(vocab)
     seq = tmp_path / "s.txt"
     lg = tmp_path / "l.bin"
-    for t1 in range(15):       # 15 is the fixture's EOS: a run that samples it first stops (counted out below)
+    for t1 in range(vocab):
+        if t1 == eos:
+            continue
         seq.write_text(prompt + f" {t1}")
         run([laguna, model, "--score", str(seq), "--logits", str(lg), "-q"])
-        rows = np.fromfile(lg, dtype=np.float32).reshape(-1, 16)
+        rows = np.fromfile(lg, dtype=np.float32).reshape(-1, vocab)
         p2 += dist(rows[-2])[t1] * dist(rows[-1])
     return p2 / p2.sum()
 
 
-def second_tokens(stdout):
-    """Counts of the second generated token over --samples lines; EOS (15) ends a line without being printed,
+def second_tokens(stdout, vocab=16, eos=15):
+    """Counts of the second generated token over --samples lines; EOS ends a line without being printed,
     so a one-token line means the second token was EOS and an empty line (first token EOS) is left out."""
-    c = np.zeros(16)
+    c = np.zeros(vocab)
     for line in stdout.split("\n")[:-1]:
         toks = line.split()
         if len(toks) >= 2:
             c[int(toks[1])] += 1
         elif len(toks) == 1:
-            c[15] += 1
+            c[eos] += 1
     return c
 
 

@@ -370,6 +370,51 @@ def test_gpu_sampling_seeded_and_greedy_limit(laguna_gpu, exported):
     assert gen("-t", "1.0", "-p", "1e-6", "-s", "3") == gen("-t", "0")
 
 
+@pytest.fixture(scope="module")
+def vocab18(tmp_path_factory):
+    """a random f32 model whose vocab (18) is not a multiple of 4: the sampler's 16-byte loads leave a tail"""
+    sys.path.insert(0, os.path.join(ROOT, "test"))
+    import torch
+    import make_fixtures as mf
+    cfg = mf.LagunaConfig(**mf.base_config(vocab_size=18, eos_token_id=[17], bos_token_id=1, pad_token_id=0))
+    model = mf.LagunaForCausalLM(cfg).float().eval()
+    mf.randomize(model, cfg, torch.Generator().manual_seed(18))
+    d = tmp_path_factory.mktemp("v18")
+    model.save_pretrained(str(d / "hf"))
+    m = str(d / "m.bin")
+    run([sys.executable, os.path.join(ROOT, "export.py"), "-q", str(d / "hf"), m])
+    return m
+
+
+@pytest.mark.parametrize("vocab", [16, 18])
+@pytest.mark.parametrize("temperature,topp", [(1.0, 1.0), (0.7, 0.8)])
+def test_gpu_sampler_keeps_the_distribution(laguna_gpu, exported, vocab18, vocab, temperature, topp, tmp_path):
+    """The device's sampler (softmax, the top-p radix select over integer masses, the pick in id order): the second
+    generated token (the first the device samples; the first comes from the prefill's logits, on the host) over 3000
+    seeded runs against its exact distribution from the CPU's logits; V 16 and 18 (the loads' tail). With top-p the
+    tokens outside the nucleus must never be drawn, and the run must also fail against the distribution without
+    top-p (the test can tell the two apart)."""
+    from test_dflash import chi2_critical, chi2_stat, exact_second_token, second_tokens
+    m, eos = (exported("v16"), 15) if vocab == 16 else (vocab18, 17)
+    prompt = " ".join(score_ids("v16")[:6])
+    exact = exact_second_token(laguna_gpu, m, prompt, temperature, topp, tmp_path, vocab, eos)
+    r = run([laguna_gpu, m, "--ids", prompt, "-n", "2", "-t", str(temperature), "-p", str(topp), "-s", "5",
+             "--samples", "3000", "-q"])
+    assert r.stdout.count("\n") == 3000
+    c = second_tokens(r.stdout, vocab, eos)
+    stat, df = chi2_stat(c, exact * c.sum())
+    msg = f"\n[gpu] sampler V {vocab}, T {temperature}, top-p {topp}: chi2 {stat:.1f} with {df} dof " \
+          f"(critical {chi2_critical(df):.1f})"
+    if topp < 1:
+        full = exact_second_token(laguna_gpu, m, prompt, temperature, 1.0, tmp_path, vocab, eos)
+        stat_full, df_full = chi2_stat(c, full * c.sum())
+        msg += f"; against no top-p: chi2 {stat_full:.1f} with {df_full} dof"
+        assert stat_full > chi2_critical(df_full)
+        assert c[exact == 0].sum() == 0
+    print(msg)
+    assert stat < chi2_critical(df)
+
+
 def test_gpu_prompt_longer_than_context_refused(laguna_gpu, exported):
     r = run([laguna_gpu, exported("xs2_f32"), "--ids", " ".join(["5"] * 40), "-c", "16"], check=False)
     assert r.returncode == 1 and "exceeds the context size" in r.stderr
@@ -439,6 +484,17 @@ def test_gpu_few_token_kernels_lab():
     r = run([os.path.join(ROOT, "dev", "few_lab")])
     print("\n" + r.stdout)
     assert "all checks passed" in r.stdout
+
+
+def test_gpu_sampler_kernels_lab():
+    """dev/sample_lab: the device sampler's kernels on random logits rows (V 16 .. 100,352, partial blocks and
+    threads, flat to peaked, several T / top-p): the nucleus threshold against the CPU's top-p rule in double
+    precision, every draw inside the nucleus, and the draws' counts against the nucleus's distribution (chi-square);
+    exit code 1 if any check fails."""
+    run(["make", "-C", ROOT, "dev/sample_lab"])
+    r = run([os.path.join(ROOT, "dev", "sample_lab")], check=False)
+    print("\n" + r.stdout + r.stderr)
+    assert r.returncode == 0 and "ok: 0 failed" in r.stdout
 
 
 def test_gpu_few_token_kernels(laguna_gpu, mid_model, exported, tmp_path):
