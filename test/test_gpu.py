@@ -62,6 +62,33 @@ def tol(name):
     return TOL_BF16 if name in BF16 else TOL_F32
 
 
+def random_f32_model(d, seed, **cfg):
+    """A random f32 checkpoint of make_fixtures' base config updated by cfg, saved with save_pretrained in d/hf and
+    exported to d/m.bin. Returns (m.bin, the hf dir, the config, the torch generator after the weights, for ids)."""
+    sys.path.insert(0, os.path.join(ROOT, "test"))
+    import torch
+    import make_fixtures as mf
+    config = mf.LagunaConfig(**mf.base_config(**cfg))
+    model = mf.LagunaForCausalLM(config).float().eval()
+    gen = torch.Generator().manual_seed(seed)
+    mf.randomize(model, config, gen)
+    hf = str(d / "hf")
+    model.save_pretrained(hf)
+    m = str(d / "m.bin")
+    run([sys.executable, os.path.join(ROOT, "export.py"), "-q", hf, m])
+    return m, hf, config, gen
+
+
+def transformers_logits(hf, ids, ids_file):
+    """transformers' fp32 logits for ids (a torch tensor), which also go to ids_file for --score"""
+    sys.path.insert(0, os.path.join(ROOT, "test"))
+    import make_fixtures as mf
+    import torch
+    ids_file.write_text(" ".join(str(int(i)) for i in ids))
+    with torch.no_grad():
+        return mf.load_ref(hf)(ids[None]).logits[0].float().numpy()
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_gpu_logits_match_transformers_and_cpu(laguna_gpu, exported, name, tmp_path):
     ref = np.load(fx(name, "logits.npy"))
@@ -225,22 +252,10 @@ def test_gpu_column_slice_layouts(laguna_gpu, hidden, tmp_path):
     checkpoint at each width, saved with save_pretrained, against transformers in fp32: the decode kernels token by
     token (--chunk 1), 16 tokens a forward (--chunk 16: verification's shape, the few-token expert kernels) and the
     one-pass forward."""
-    sys.path.insert(0, os.path.join(ROOT, "test"))
     import torch
-    import make_fixtures as mf
-    cfg = mf.LagunaConfig(**mf.base_config(hidden_size=hidden, vocab_size=1024, **LAYOUTS[hidden]))
-    model = mf.LagunaForCausalLM(cfg).float().eval()
-    gen = torch.Generator().manual_seed(hidden)
-    mf.randomize(model, cfg, gen)
-    hf = str(tmp_path / "hf")
-    model.save_pretrained(hf)
-    ids = torch.randint(3, cfg.vocab_size, (40,), generator=gen)
-    with torch.no_grad():
-        ref = mf.load_ref(hf)(ids[None]).logits[0].float().numpy()
-    m = str(tmp_path / "m.bin")
-    run([sys.executable, os.path.join(ROOT, "export.py"), "-q", hf, m])
+    m, hf, cfg, gen = random_f32_model(tmp_path, hidden, hidden_size=hidden, vocab_size=1024, **LAYOUTS[hidden])
     ids_file = tmp_path / "ids.txt"
-    ids_file.write_text(" ".join(str(int(i)) for i in ids))
+    ref = transformers_logits(hf, torch.randint(3, cfg.vocab_size, (40,), generator=gen), ids_file)
     for label, extra, env in (("token by token", ("--chunk", "1"), {}),
                               ("token by token, o_proj by the block-rows kernel", ("--chunk", "1"),
                                dict(LAGUNA_NO_SPLIT_COLS="1")),
@@ -267,23 +282,11 @@ def test_gpu_decode_attention_head_dims(laguna_gpu, head_dim, tmp_path):
     fixture has: a random f32 checkpoint (hidden 128, GQA groups 8, 4, 3, 1 and 5 across full and sliding layers),
     160 tokens (several tiles of keys on the full layers, the sliding ring wrapped), against transformers in fp32:
     token by token (--chunk 1, the fused kernel) and in one pass."""
-    sys.path.insert(0, os.path.join(ROOT, "test"))
     import torch
-    import make_fixtures as mf
-    cfg = mf.LagunaConfig(**mf.base_config(hidden_size=128, head_dim=head_dim, vocab_size=1024, sliding_window=24,
-                                           **HEAD_DIMS[head_dim]))
-    model = mf.LagunaForCausalLM(cfg).float().eval()
-    gen = torch.Generator().manual_seed(head_dim)
-    mf.randomize(model, cfg, gen)
-    hf = str(tmp_path / "hf")
-    model.save_pretrained(hf)
-    ids = torch.randint(3, cfg.vocab_size, (160,), generator=gen)
-    with torch.no_grad():
-        ref = mf.load_ref(hf)(ids[None]).logits[0].float().numpy()
-    m = str(tmp_path / "m.bin")
-    run([sys.executable, os.path.join(ROOT, "export.py"), "-q", hf, m])
+    m, hf, cfg, gen = random_f32_model(tmp_path, head_dim, hidden_size=128, head_dim=head_dim, vocab_size=1024,
+                                       sliding_window=24, **HEAD_DIMS[head_dim])
     ids_file = tmp_path / "ids.txt"
-    ids_file.write_text(" ".join(str(int(i)) for i in ids))
+    ref = transformers_logits(hf, torch.randint(3, cfg.vocab_size, (160,), generator=gen), ids_file)
     for label, extra in (("token by token", ("--chunk", "1")), ("one pass", ())):
         got, _ = score(laguna_gpu, m, str(ids_file), tmp_path, *extra)
         d = float(np.abs(got - ref).max())
@@ -373,17 +376,8 @@ def test_gpu_sampling_seeded_and_greedy_limit(laguna_gpu, exported):
 @pytest.fixture(scope="module")
 def vocab18(tmp_path_factory):
     """a random f32 model whose vocab (18) is not a multiple of 4: the sampler's 16-byte loads leave a tail"""
-    sys.path.insert(0, os.path.join(ROOT, "test"))
-    import torch
-    import make_fixtures as mf
-    cfg = mf.LagunaConfig(**mf.base_config(vocab_size=18, eos_token_id=[17], bos_token_id=1, pad_token_id=0))
-    model = mf.LagunaForCausalLM(cfg).float().eval()
-    mf.randomize(model, cfg, torch.Generator().manual_seed(18))
-    d = tmp_path_factory.mktemp("v18")
-    model.save_pretrained(str(d / "hf"))
-    m = str(d / "m.bin")
-    run([sys.executable, os.path.join(ROOT, "export.py"), "-q", str(d / "hf"), m])
-    return m
+    return random_f32_model(tmp_path_factory.mktemp("v18"), 18, vocab_size=18, eos_token_id=[17], bos_token_id=1,
+                            pad_token_id=0)[0]
 
 
 @pytest.mark.parametrize("vocab", [16, 18])
