@@ -478,7 +478,6 @@ __global__ void embed_kernel(float *x, WPtr embed, const int *tokens, int H, con
             *pos = v.pos;
             tok = v.token;
         }
-        __syncthreads();
     } else if (threadIdx.x == 0) {
         tok = tokens[t];
     }
@@ -2820,7 +2819,8 @@ static size_t sample_scratch_bytes(int V) {
     const int nb = (V + SAMPLE_CHUNK - 1) / SAMPLE_CHUNK;
     return sizeof(SampleScratch) + nb * sizeof(float2) + nb * sizeof(uint32_t);
 }
-__device__ __forceinline__ uint32_t *sample_mass_of(SampleScratch *s) { return (uint32_t *)(s->stats + gridDim.x); }
+/* the nucleus masses of the nblk chunks: after the stats */
+__device__ __forceinline__ uint32_t *sample_masses(SampleScratch *s, int nblk) { return (uint32_t *)(s->stats + nblk); }
 
 /* the token, to the device's Step and to the host's (mapped memory: the host reads it once the step has finished) */
 __device__ __forceinline__ void put_token(Step *st, int *out_host, int token) {
@@ -2830,6 +2830,7 @@ __device__ __forceinline__ void put_token(Step *st, int *out_host, int token) {
 }
 __device__ __forceinline__ uint32_t qmass(float p) { return __float2uint_rn(p * 2147483648.0f); }
 __device__ __forceinline__ bool top_p_on(float topp) { return topp > 0.0f && topp < 1.0f; }
+__device__ __forceinline__ uint32_t topp_target(float topp) { return (uint32_t)((double)topp * 2147483648.0); }   /* q units */
 
 /* this thread's SAMPLE_PER consecutive logits of the block's chunk (-inf past V: p = 0, never drawn) */
 __device__ __forceinline__ int chunk_logits(const float *logits, int V, int blk, float l[SAMPLE_PER]) {
@@ -2995,16 +2996,17 @@ __global__ void __launch_bounds__(SAMPLE_THREADS) sample_radix(const float *logi
     griddep_wait();
     griddep_launch();
     const float T = st->temperature, topp = st->topp;
-    if (!top_p_on(topp)) return;
-    float mx, sum;                                  /* pass 0 finds them, the later passes read pass 0's */
+    float mx, sum;                                  /* pass 0 finds them (with top-p or not), the later passes read them */
     if (pass == 0) {
         softmax_norm(s, gridDim.x, T, mx, sum);
         if (blockIdx.x == 0 && threadIdx.x == 0) { s->mx = mx; s->sum = sum; }
-    } else {
+    }
+    if (!top_p_on(topp)) return;
+    if (pass > 0) {
         mx = __ldcg(&s->mx);
         sum = __ldcg(&s->sum);
     }
-    const uint32_t target = (uint32_t)((double)topp * 2147483648.0);
+    const uint32_t target = topp_target(topp);
     uint32_t above;
     const uint32_t prefix = radix_prefix(s->hist, pass, target, above);
     const int nb = 1 << RADIX_BITS(pass), sft = RADIX_SHIFT(pass);
@@ -3037,17 +3039,9 @@ __global__ void __launch_bounds__(SAMPLE_THREADS) sample_mass(const float *logit
     TRACE_BLOCK();
     griddep_wait();
     griddep_launch();
-    const float T = st->temperature, topp = st->topp;
-    float mx, sum;
-    uint32_t thr = 0, above;                        /* 0: every token (no top-p) */
-    if (top_p_on(topp)) {
-        mx = __ldcg(&s->mx);
-        sum = __ldcg(&s->sum);
-        thr = radix_prefix(s->hist, 3, (uint32_t)((double)topp * 2147483648.0), above);
-    } else {
-        softmax_norm(s, gridDim.x, T, mx, sum);
-        if (blockIdx.x == 0 && threadIdx.x == 0) { s->mx = mx; s->sum = sum; }
-    }
+    const float T = st->temperature, topp = st->topp, mx = __ldcg(&s->mx), sum = __ldcg(&s->sum);
+    uint32_t above;                                 /* thr 0: every token (no top-p) */
+    const uint32_t thr = top_p_on(topp) ? radix_prefix(s->hist, 3, topp_target(topp), above) : 0u;
     if (blockIdx.x == 0 && threadIdx.x == 0) s->thr = thr;
     float l[SAMPLE_PER];
     chunk_logits(logits, V, blockIdx.x, l);
@@ -3057,7 +3051,7 @@ __global__ void __launch_bounds__(SAMPLE_THREADS) sample_mass(const float *logit
         if (__float_as_uint(p) >= thr) m += qmass(p);
     }
     m = sample_block_reduce(m, [](uint32_t a, uint32_t b) { return a + b; });
-    if (threadIdx.x == 0) sample_mass_of(s)[blockIdx.x] = m;
+    if (threadIdx.x == 0) sample_masses(s, gridDim.x)[blockIdx.x] = m;
 }
 
 /* one block: the chunk where coin * (nucleus mass) falls, then the token inside it, in index order */
@@ -3070,7 +3064,7 @@ __global__ void __launch_bounds__(SAMPLE_THREADS) sample_pick(const float *logit
     __shared__ uint32_t s_base;
     const float T = st->temperature, mx = __ldcg(&s->mx), sum = __ldcg(&s->sum);
     const uint32_t thr = __ldcg(&s->thr);
-    const uint32_t *mass = (const uint32_t *)(s->stats + nblk);
+    const uint32_t *mass = sample_masses(s, nblk);
     /* each thread a run of consecutive chunks' masses; the exclusive scan gives each chunk's start */
     const int per = (nblk + SAMPLE_THREADS - 1) / SAMPLE_THREADS, c0 = threadIdx.x * per;
     uint32_t mine = 0;
@@ -4329,7 +4323,8 @@ static void enqueue_decode(GpuModel *g, int sampled) {
     g->step_in = 0;
     if (!sampled) {
         launch(g, sample_greedy, dim3(1), dim3(1024), 0, lg, V, g->d_step, &g->m_step->out);
-    } else {        /* softmax's sums, the 3 radix passes (they return at once without top-p), masses, the pick */
+    } else {        /* the blocks' sums, the 3 radix passes (pass 0 the softmax's max and sum; all return at once without
+                     * top-p), the masses, the pick */
         launch(g, sample_stats, dim3(nblk), dim3(SAMPLE_THREADS), 0, lg, V, (const Step *)g->d_step, g->sample_s);
         for (int pass = 0; pass < 3; pass++)
             launch(g, sample_radix, dim3(nblk), dim3(SAMPLE_THREADS), 0, lg, V, (const Step *)g->d_step, g->sample_s,
