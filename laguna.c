@@ -1051,34 +1051,53 @@ static void print_token(Printer *p, int id, int ids_mode) {
     fflush(stdout);
 }
 
-/* One decode step on the GPU: forward `token` at `pos` and sample the next token on the device (a CUDA graph;
- * only token ids cross). The coin comes from the same rng stream as sample(): the same distribution, though
- * the device walks the nucleus in id order rather than sorted order. */
-static int engine_decode_step(Engine *e, Sampler *sp, int token, int pos) {
+/* A decode step on the GPU: forward `token` at `pos` and sample the next token on the device (a CUDA graph; only
+ * token ids cross). Launched ahead: token -1 is the token of the step launched before it, so the GPU runs step t + 1
+ * while the host prints step t's token (gpu_decode_wait returns it). The coin comes from the same rng stream as
+ * sample(): the same distribution, though the device walks the nucleus in id order rather than sorted order. */
+static void engine_decode_launch(Engine *e, Sampler *sp, int token, int pos) {
     float coin = sp->temperature > 0.0f ? random_f32(&sp->rng) : 0.0f;
-    return gpu_decode_step(e->gpu, token, pos, sp->temperature, sp->topp, coin);
+    gpu_decode_launch(e->gpu, token, pos, sp->temperature, sp->topp, coin);
 }
 
-/* Generate up to `steps` tokens after a prompt already in the cache; returns the count. */
+/* Generate up to `steps` tokens after a prompt already in the cache; returns the count. On the GPU each step
+ * is launched before the previous one's token is read (it takes that token on the device), so the token that
+ * follows a stop token is computed and thrown away: its coin goes back to the rng (the same stream as without
+ * launching ahead), and the next forward overwrites its cache row. */
 static int generate(Engine *e, Sampler *sp, Printer *pr, const float *logits, int pos, int steps, int ids_mode,
                     int stop_id, int *out_ids, double *decode_s) {
     Config *c = &e->m->config;
-    int n = 0, next = -1;
+    int n = 0, next = -1, inflight = 0, stopped = 0;
+    unsigned long long rng_ahead = 0;        /* the rng before the coin of the step launched last */
     int on_device = e->gpu && !pr->trace;    /* --logits tracing needs the logits rows on the host */
+    int ahead = !getenv("LAGUNA_NO_AHEAD");  /* (a test and timing hook: each step launched once its token is read) */
     double t0 = now_s();
     while (n < steps && pos < e->m->state.ctx) {
         if (!on_device || n == 0) {
             next = sample(sp, logits);
             trace_logits(pr, logits);
+        } else {
+            next = gpu_decode_wait(e->gpu);      /* the step launched for the token before */
+            inflight--;
         }
         if (out_ids) out_ids[n] = next;
         n++;
-        if (is_eos(c, next) || next == stop_id) break;
+        if (is_eos(c, next) || next == stop_id) { stopped = 1; break; }
         print_token(pr, next, ids_mode);
-        if (on_device) next = engine_decode_step(e, sp, next, pos);
-        else logits = engine_forward(e, &next, 1, pos, 0);
+        if (!on_device) {
+            logits = engine_forward(e, &next, 1, pos, 0);
+        } else {
+            if (n == 1 || !ahead) { engine_decode_launch(e, sp, next, pos); inflight++; }   /* a token the host has */
+            if (ahead && n < steps && pos + 1 < e->m->state.ctx) {   /* the step after, if its token will be kept */
+                rng_ahead = sp->rng;
+                engine_decode_launch(e, sp, -1, pos + 1);
+                inflight++;
+            }
+        }
         pos++;
     }
+    if (stopped && inflight) sp->rng = rng_ahead;   /* the step after the stop token: thrown away */
+    for (; inflight > 0; inflight--) gpu_decode_wait(e->gpu);
     *decode_s = now_s() - t0;
     return n;
 }
@@ -1874,6 +1893,10 @@ int gpu_decode_step(GpuModel *g, int token, int pos, float temperature, float to
     (void)g; (void)token; (void)pos; (void)temperature; (void)topp; (void)coin;
     return -1;
 }
+void gpu_decode_launch(GpuModel *g, int token, int pos, float temperature, float topp, float coin) {
+    (void)g; (void)token; (void)pos; (void)temperature; (void)topp; (void)coin;
+}
+int gpu_decode_wait(GpuModel *g) { (void)g; return -1; }
 const char *gpu_summary(GpuModel *g) { (void)g; return ""; }
 GpuModel *gpu_drafter_init(GpuModel *target, const Model *drafter, int ctx, int block, char *err, size_t errsz) {
     (void)target; (void)drafter; (void)ctx; (void)block;

@@ -458,22 +458,28 @@ __device__ __forceinline__ void dequant_chunk(WPtr row, int k, int n, T *dst) {
 
 /* A decode step's parameters. The host writes them into mapped (pinned, device-visible) memory before it launches
  * the step; the embedding kernel copies them to the device (d_step, and the position to g->pos) and the sampler
- * writes the token it picks to both, so the step's graph is kernels only: no copy nodes before or after it. */
-struct Step { int token, pos; float temperature, topp, coin; int out; };
+ * writes the token it picks to both, so the step's graph is kernels only: no copy nodes before or after it.
+ * Two such slots on the host, step seq in slot seq & 1, so the host can launch step seq + 1 (token -1: the token
+ * step seq samples, read on the device) while step seq runs (gpu_decode_launch). */
+struct Step { int token, pos; float temperature, topp, coin; int out, seq; };
 
 /* h = embed[token] (no scaling); a quantized row is dequantized here (value * scale, as laguna.c's weight_row).
- * A decode step (in != NULL, one block): the token comes from the host's Step, copied to st and pos on the way. */
+ * A decode step (ring != NULL, one block): its parameters from the host's slot for the step after st's, copied to st
+ * and pos on the way; token -1 is the token the previous step sampled (st->out). */
 template <typename W>
-__global__ void embed_kernel(float *x, WPtr embed, const int *tokens, int H, const Step *in, Step *st, int *pos) {
+__global__ void embed_kernel(float *x, WPtr embed, const int *tokens, int H, const Step *ring, Step *st, int *pos) {
     TRACE_BLOCK();
     int t = blockIdx.x;
     __shared__ int tok;
-    if (in) {
+    if (ring) {
         if (threadIdx.x == 0) {
-            const volatile Step *s = in;
+            const int seq = st->seq + 1;
+            const volatile Step *s = ring + (seq & 1);
             Step v;
             v.token = s->token; v.pos = s->pos; v.temperature = s->temperature; v.topp = s->topp; v.coin = s->coin;
             v.out = -1;
+            v.seq = seq;
+            if (v.token < 0) v.token = st->out;
             *st = v;
             *pos = v.pos;
             tok = v.token;
@@ -1299,6 +1305,9 @@ __device__ __forceinline__ void kv_tile_load(const KV *kc, const KV *vc, int row
     }
 }
 
+#ifndef LAGUNA_NORM_REG
+#define LAGUNA_NORM_REG 1
+#endif
 template <typename KV, int D, int CL>
 __global__ void __launch_bounds__(256, 2)
 attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc, int rows, int KVD,
@@ -1332,25 +1341,89 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
         sn[i] = sinf(f) * rscale;
     }
     for (int i = tid; i < D; i += 256) { nws[0][i] = q_norm[i]; nws[1][i] = k_norm[i]; }
+    /* REG: a warp a vector straight from global memory into registers, lane l holding dims l, l + 32, ...: the sum
+     * of squares in the same order as the shared-memory path below (so the same bits), and each dim's RoPE partner
+     * (d -+ rd / 2, a multiple of 32 away) in the same lane. Needs D >= 32 and rd / 2 % 32 == 0 (every XS layer);
+     * saves the raw copy through shared memory and a block barrier (dev/gpu_notes.md, round 18). */
+    const bool reg = LAGUNA_NORM_REG && D >= 32 && (rd / 2) % 32 == 0;
+    if (reg) __syncthreads();                           /* the tables above, read without the raw copy's barrier */
     griddep_wait();                                     /* q/k/v/g come from the matvec */
     griddep_launch();
+    const bool owner = kb <= pos && pos < ke;
+    const size_t crow = (size_t)(pos % rows) * KVD + (size_t)kvh * D;
+    /* element d of vector j (j < g: a q head, g: the key), normed and rotated; xd its raw value, xe that of its RoPE
+     * partner (dim d -+ rd / 2), inv the vector's 1 / rms */
+    auto qk_elem = [&](int j, int d, float xd, float xe, float inv) {
+        const float *nw = nws[j < g ? 0 : 1];
+        float o = nw[d] * (xd * inv);
+        if (d < rd) {
+            int half = rd / 2, i = d < half ? d : d - half, e = d < half ? d + half : d - half;
+            float other = nw[e] * (xe * inv);
+            o = d < half ? o * cs[i] - other * sn[i] : o * cs[i] + other * sn[i];
+        }
+        return o;
+    };
+    auto put = [&](int j, int d, float o) {             /* a q head's element scaled into qs; k / v into the cache */
+        if (j < g) { qs[j][qs_swz(d)] = o * scale_log2; return; }
+        KV e = from_f<KV>(o);
+        if (j == g) { kn[d] = to_f(e); if (owner) kc[crow + d] = e; }
+        else { vn[d] = to_f(e); if (owner) vc[crow + d] = e; }
+    };
+    auto src_of = [&](int j) {                          /* vector j's row in qkvg: q heads of this group, k, v */
+        return j < g ? (kvh * g + j) * D : j == g ? (nh + kvh) * D : (nh + nkv + kvh) * D;
+    };
     /* CL: block j of the cluster (its split: the cluster spans the splits) merges head j; its gate now, not after
      * the merge's barriers */
+    const bool has_gate = CL && split < g && tid < D && gate_off >= 0;
+    const int hd = kvh * g + split;
     float gate_v = 1.0f;
-    /* q heads of this group, the new k and v: raw into shared memory (16-byte loads, all of this thread's and the
-     * gate's issued before the first store: one round trip), then per-vector norm and RoPE */
-    {
+    if (reg) {
+        constexpr int EL = D >= 32 ? D / 32 : 1;        /* dims a lane */
+        float xr[2][EL];                                /* vectors warp and warp + 8 (g + 2 <= 10) */
+#pragma unroll
+        for (int r = 0; r < 2; r++)
+            if (warp + 8 * r < g + 2)
+#pragma unroll
+                for (int i = 0; i < EL; i++) xr[r][i] = qkvg[src_of(warp + 8 * r) + lane + 32 * i];
+        const float graw = has_gate ? qkvg[gate_off + (gate_per_head ? hd : hd * D + tid)] : 0.0f;
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            const int j = warp + 8 * r;
+            if (j >= g + 2) break;
+            if (j == g + 1) {                           /* v: as is */
+#pragma unroll
+                for (int i = 0; i < EL; i++) put(j, lane + 32 * i, xr[r][i]);
+                continue;
+            }
+            float ss = 0.0f;
+#pragma unroll
+            for (int i = 0; i < EL; i++) ss += xr[r][i] * xr[r][i];
+            const float inv = 1.0f / sqrtf(warp_sum(ss) / D + eps);
+            const int hs = rd / 64;                     /* the partner: hs elements of this lane away */
+#pragma unroll
+            for (int i = 0; i < EL; i++) {
+                const int d = lane + 32 * i, ip = d < rd ? (d < rd / 2 ? i + hs : i - hs) : i;
+                float xe = 0.0f;
+#pragma unroll
+                for (int k = 0; k < EL; k++) if (k == ip) xe = xr[r][k];   /* (registers: a static index) */
+                put(j, d, qk_elem(j, d, xr[r][i], xe, inv));
+            }
+        }
+        if (has_gate) gate_v = softplus(graw);
+        if (tid < G) { hm[tid] = -INFINITY; hl[tid] = 0.0f; }
+        __syncthreads();
+        TRACE_MARK(0);
+    } else {
+        /* the raw vectors into shared memory (16-byte loads, all of this thread's and the gate's issued before the
+         * first store: one round trip), then a warp a vector: its norm and RoPE */
         constexpr int NR = ((G + 2) * D / 4 + 255) / 256;
         const int nr = (g + 2) * (D / 4);
         float4 rv[NR];
 #pragma unroll
         for (int u = 0; u < NR; u++) {
             const int i = tid + 256 * u, j = i / (D / 4), d = (i % (D / 4)) * 4;
-            const int src = j < g ? (kvh * g + j) * D : j == g ? (nh + kvh) * D : (nh + nkv + kvh) * D;
-            if (i < nr) rv[u] = *(const float4 *)(qkvg + src + d);
+            if (i < nr) rv[u] = *(const float4 *)(qkvg + src_of(j) + d);
         }
-        const bool has_gate = CL && split < g && tid < D && gate_off >= 0;
-        const int hd = kvh * g + split;
         const float graw = has_gate ? qkvg[gate_off + (gate_per_head ? hd : hd * D + tid)] : 0.0f;
 #pragma unroll
         for (int u = 0; u < NR; u++) {
@@ -1358,38 +1431,21 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
             if (i < nr) *(float4 *)&sm.raw[j][d] = rv[u];
         }
         if (has_gate) gate_v = softplus(graw);
-    }
-    if (tid < G) { hm[tid] = -INFINITY; hl[tid] = 0.0f; }
-    __syncthreads();
-    TRACE_MARK(0);
-    const bool owner = kb <= pos && pos < ke;
-    const size_t crow = (size_t)(pos % rows) * KVD + (size_t)kvh * D;
-    for (int j = warp; j < g + 2; j += 8) {
-        const float *b = sm.raw[j];
-        if (j == g + 1) {                               /* v: as is */
+        if (tid < G) { hm[tid] = -INFINITY; hl[tid] = 0.0f; }
+        __syncthreads();
+        TRACE_MARK(0);
+        for (int j = warp; j < g + 2; j += 8) {
+            const float *b = sm.raw[j];
+            if (j == g + 1) {                           /* v: as is */
+                for (int d = lane; d < D; d += 32) put(j, d, b[d]);
+                continue;
+            }
+            float ss = 0.0f;
+            for (int d = lane; d < D; d += 32) ss += b[d] * b[d];
+            const float inv = 1.0f / sqrtf(warp_sum(ss) / D + eps);
             for (int d = lane; d < D; d += 32) {
-                KV v = from_f<KV>(b[d]);
-                vn[d] = to_f(v);
-                if (owner) vc[crow + d] = v;
-            }
-            continue;
-        }
-        const float *nw = nws[j < g ? 0 : 1];
-        float ss = 0.0f;
-        for (int d = lane; d < D; d += 32) ss += b[d] * b[d];
-        float inv = 1.0f / sqrtf(warp_sum(ss) / D + eps);
-        for (int d = lane; d < D; d += 32) {
-            float o = nw[d] * (b[d] * inv);
-            if (d < rd) {
-                int half = rd / 2, i = d < half ? d : d - half, e = d < half ? d + half : d - half;
-                float other = nw[e] * (b[e] * inv);
-                o = d < half ? o * cs[i] - other * sn[i] : o * cs[i] + other * sn[i];
-            }
-            if (j < g) qs[j][qs_swz(d)] = o * scale_log2;
-            else {
-                KV k = from_f<KV>(o);
-                kn[d] = to_f(k);
-                if (owner) kc[crow + d] = k;
+                const int half = rd / 2;
+                put(j, d, qk_elem(j, d, b[d], d < rd ? b[d < half ? d + half : d - half] : 0.0f, inv));
             }
         }
     }
@@ -2822,10 +2878,11 @@ static size_t sample_scratch_bytes(int V) {
 /* the nucleus masses of the nblk chunks: after the stats */
 __device__ __forceinline__ uint32_t *sample_masses(SampleScratch *s, int nblk) { return (uint32_t *)(s->stats + nblk); }
 
-/* the token, to the device's Step and to the host's (mapped memory: the host reads it once the step has finished) */
-__device__ __forceinline__ void put_token(Step *st, int *out_host, int token) {
+/* the token, to the device's Step and to the step's host slot (mapped memory: the host reads it once the step has
+ * finished) */
+__device__ __forceinline__ void put_token(Step *st, Step *ring, int token) {
     st->out = token;
-    *(volatile int *)out_host = token;
+    *(volatile int *)&ring[st->seq & 1].out = token;
     __threadfence_system();
 }
 __device__ __forceinline__ uint32_t qmass(float p) { return __float2uint_rn(p * 2147483648.0f); }
@@ -2929,7 +2986,7 @@ __device__ void softmax_norm(const SampleScratch *s, int nblk, float T, float &m
 
 /* greedy: the argmax, one block, 16-byte loads with SB in flight a thread, then the tail; each thread sees its
  * indices in increasing order, so a strict > keeps the first of equal values */
-__global__ void __launch_bounds__(1024) sample_greedy(const float *logits, int V, Step *st, int *out_host) {
+__global__ void __launch_bounds__(1024) sample_greedy(const float *logits, int V, Step *st, Step *ring) {
     TRACE_BLOCK();
     griddep_wait();
     griddep_launch();
@@ -2964,7 +3021,7 @@ __global__ void __launch_bounds__(1024) sample_greedy(const float *logits, int V
     if (tid == 0) {
         for (int w = 1; w < nt / 32; w++)
             if (red_v[w] > red_v[0] || (red_v[w] == red_v[0] && red_i[w] < red_i[0])) { red_v[0] = red_v[w]; red_i[0] = red_i[w]; }
-        put_token(st, out_host, red_i[0]);
+        put_token(st, ring, red_i[0]);
     }
 }
 
@@ -3056,7 +3113,7 @@ __global__ void __launch_bounds__(SAMPLE_THREADS) sample_mass(const float *logit
 
 /* one block: the chunk where coin * (nucleus mass) falls, then the token inside it, in index order */
 __global__ void __launch_bounds__(SAMPLE_THREADS) sample_pick(const float *logits, int V, int nblk, Step *st,
-                                                              SampleScratch *s, int *out_host) {
+                                                              SampleScratch *s, Step *ring) {
     TRACE_BLOCK();
     griddep_wait();
     griddep_launch();
@@ -3105,7 +3162,7 @@ __global__ void __launch_bounds__(SAMPLE_THREADS) sample_pick(const float *logit
             float bv = -INFINITY;
             for (int i = 0; i < V; i++) if (logits[i] > bv) { bv = logits[i]; tok = i; }
         }
-        put_token(st, out_host, tok);
+        put_token(st, ring, tok);
     }
 }
 
@@ -3185,8 +3242,11 @@ struct GpuModel {
     int *h_tokens, *h_start;
     void **h_gptr;
     float *h_logits;
-    Step *h_step, *d_step;   /* decode parameters: on the host (mapped memory, pinned) and on the device */
+    Step *h_step, *d_step;   /* decode parameters: on the host (2 slots, mapped memory, pinned) and on the device */
     Step *m_step;            /* h_step as the device sees it */
+    int seq, inflight;       /* decode steps launched so far, and how many of them not yet waited for */
+    int chained;             /* the last thing on the stream is a decode step (a step may take its token) */
+    cudaEvent_t step_done[2];   /* recorded after the step of each slot */
     int step_in;             /* set while enqueueing a decode step: the embedding reads the token from m_step */
     SampleScratch *sample_s; /* the sampler's histograms and per-block sums (sample_scratch_bytes) */
     cudaStream_t stream;
@@ -3620,8 +3680,12 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
     CUDA_CHECK(cudaMemset(g->counters, 0, (1 + c->n_kv_heads) * sizeof(int)));   /* each user resets its own */
     CUDA_CHECK(cudaMallocHost(&g->h_tokens, T * sizeof(int)));
     CUDA_CHECK(cudaMallocHost(&g->h_logits, (size_t)T * c->vocab_size * sizeof(float)));
-    CUDA_CHECK(cudaHostAlloc(&g->h_step, sizeof(Step), cudaHostAllocMapped));
+    CUDA_CHECK(cudaHostAlloc(&g->h_step, 2 * sizeof(Step), cudaHostAllocMapped));
     CUDA_CHECK(cudaHostGetDevicePointer((void **)&g->m_step, g->h_step, 0));
+    memset(g->h_step, 0, 2 * sizeof(Step));
+    g->h_step[0].seq = -1;                          /* the device's Step before the first decode step (seq 0) */
+    CUDA_CHECK(cudaMemcpy(g->d_step, &g->h_step[0], sizeof(Step), cudaMemcpyHostToDevice));
+    for (int i = 0; i < 2; i++) CUDA_CHECK(cudaEventCreateWithFlags(&g->step_done[i], cudaEventDisableTiming));
     CUDA_CHECK(cudaMallocHost(&g->h_ids, T * sizeof(int)));
     if (E) {
         CUDA_CHECK(cudaMallocHost(&g->h_start, (E + 1) * sizeof(int)));
@@ -3685,6 +3749,7 @@ extern "C" void gpu_free(GpuModel *g) {
                    g->ys, g->x_sorted, g->act_sorted, g->gptr, g->blk_cnt, g->tile_start, g->ids, g->taps, g->cat,
                    g->ctxv, g->wdq, g->act_few};
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++) if (dev[i]) cudaFree(dev[i]);
+    for (int i = 0; i < 2; i++) if (g->step_done[i]) cudaEventDestroy(g->step_done[i]);
     void *host[] = {g->h_tokens, g->h_logits, g->h_step, g->h_start, g->h_gptr, g->h_ids};
     for (size_t i = 0; i < sizeof host / sizeof host[0]; i++) if (host[i]) cudaFreeHost(host[i]);
     if (g->stream) cudaStreamDestroy(g->stream);
@@ -4283,12 +4348,15 @@ static void forward_any(GpuModel *g, int n, int pos, int all_logits) {
     }
 }
 
+static void decode_drain(GpuModel *g);
 /* upload the tokens and the position, then enqueue the forward (the caller downloads what it needs and syncs) */
 static void enqueue_forward(GpuModel *g, const int *tokens, int n, int pos, int all_logits) {
     if (n < 1 || n > g->T || pos < 0 || pos + n > g->ctx) {
         fprintf(stderr, "laguna: error: gpu_forward of %d tokens at %d (chunk %d, context %d)\n", n, pos, g->T, g->ctx);
         exit(1);
     }
+    decode_drain(g);                                /* (h_step is about to be reused) */
+    g->chained = 0;
     memcpy(g->h_tokens, tokens, n * sizeof(int));
     g->h_step->pos = pos;
     g->long_attn = pos >= g->long_from;
@@ -4322,7 +4390,7 @@ static void enqueue_decode(GpuModel *g, int sampled) {
     forward_any(g, 1, 0, 0);
     g->step_in = 0;
     if (!sampled) {
-        launch(g, sample_greedy, dim3(1), dim3(1024), 0, lg, V, g->d_step, &g->m_step->out);
+        launch(g, sample_greedy, dim3(1), dim3(1024), 0, lg, V, g->d_step, g->m_step);
     } else {        /* the blocks' sums, the 3 radix passes (pass 0 the softmax's max and sum; all return at once without
                      * top-p), the masses, the pick */
         launch(g, sample_stats, dim3(nblk), dim3(SAMPLE_THREADS), 0, lg, V, (const Step *)g->d_step, g->sample_s);
@@ -4330,8 +4398,7 @@ static void enqueue_decode(GpuModel *g, int sampled) {
             launch(g, sample_radix, dim3(nblk), dim3(SAMPLE_THREADS), 0, lg, V, (const Step *)g->d_step, g->sample_s,
                    pass);
         launch(g, sample_mass, dim3(nblk), dim3(SAMPLE_THREADS), 0, lg, V, (const Step *)g->d_step, g->sample_s);
-        launch(g, sample_pick, dim3(1), dim3(SAMPLE_THREADS), 0, lg, V, nblk, g->d_step, g->sample_s,
-               &g->m_step->out);
+        launch(g, sample_pick, dim3(1), dim3(SAMPLE_THREADS), 0, lg, V, nblk, g->d_step, g->sample_s, g->m_step);
     }
     g->pdl_now = 0;
 }
@@ -4357,17 +4424,47 @@ static void capture_decode(GpuModel *g) {
     }
 }
 
-extern "C" int gpu_decode_step(GpuModel *g, int token, int pos, float temperature, float topp, float coin) {
+/* Decode steps, launched ahead: gpu_decode_launch enqueues a step (its parameters into host slot seq & 1) and returns
+ * at once; gpu_decode_wait returns the token of the oldest step not yet waited for. With token -1 a step takes the
+ * token the step before it samples, on the device, so the host can launch step t + 1 before it has read step t's
+ * token: the GPU goes from one step to the next without waiting for the host's read, launch and the graph's start
+ * (measured in dev/gpu_notes.md, round 18). At most two steps are in flight. */
+extern "C" void gpu_decode_launch(GpuModel *g, int token, int pos, float temperature, float topp, float coin) {
     if (pos < 0 || pos >= g->ctx) { fprintf(stderr, "laguna: error: decode at %d past the context %d\n", pos, g->ctx); exit(1); }
-    Step *s = g->h_step;
+    if (g->inflight == 2) { fprintf(stderr, "laguna: error: internal: a third decode step in flight\n"); exit(1); }
+    if (token < 0 && !g->chained) {
+        fprintf(stderr, "laguna: error: internal: a decode step takes the previous step's token, but none ran before it\n");
+        exit(1);
+    }
+    const int slot = g->seq & 1;
+    Step *s = &g->h_step[slot];
     s->token = token; s->pos = pos; s->temperature = temperature; s->topp = topp; s->coin = coin; s->out = -1;
+    s->seq = g->seq;
     g->long_attn = pos >= g->long_from;
     const int sampled = temperature > 0.0f;
     cudaGraphExec_t ge = g->long_attn && g->graph_long[sampled] ? g->graph_long[sampled] : g->graph[sampled];
     if (ge) CUDA_CHECK(cudaGraphLaunch(ge, g->stream));
     else enqueue_decode(g, sampled);
-    CUDA_CHECK(cudaStreamSynchronize(g->stream));
-    return *(volatile int *)&s->out;   /* the sampler wrote it through the mapping */
+    CUDA_CHECK(cudaEventRecord(g->step_done[slot], g->stream));
+    g->seq++;
+    g->inflight++;
+    g->chained = 1;
+}
+extern "C" int gpu_decode_wait(GpuModel *g) {
+    if (!g->inflight) { fprintf(stderr, "laguna: error: internal: no decode step in flight\n"); exit(1); }
+    const int slot = (g->seq - g->inflight) & 1;
+    CUDA_CHECK(cudaEventSynchronize(g->step_done[slot]));
+    g->inflight--;
+    return *(volatile int *)&g->h_step[slot].out;   /* the sampler wrote it through the mapping */
+}
+/* every launched step finished (before anything else uses the stream's state or the host slots) */
+static void decode_drain(GpuModel *g) {
+    while (g->inflight) gpu_decode_wait(g);
+}
+extern "C" int gpu_decode_step(GpuModel *g, int token, int pos, float temperature, float topp, float coin) {
+    decode_drain(g);
+    gpu_decode_launch(g, token, pos, temperature, topp, coin);
+    return gpu_decode_wait(g);
 }
 
 #ifdef LAGUNA_TRACE

@@ -208,6 +208,11 @@ float *gpu_forward(GpuModel *g, const int *tokens, int n, int pos, int all_logit
 /* one decode step on the device (a CUDA graph): forward `token` at `pos`, then sample the next token there
  * (temperature 0 = argmax; coin in [0,1) drives the top-p draw); only token ids cross to the host */
 int gpu_decode_step(GpuModel *g, int token, int pos, float temperature, float topp, float coin);
+/* the same, launched ahead (at most two in flight): gpu_decode_launch enqueues a step and returns at once, token -1
+ * meaning the token the step launched before it samples (on the device); gpu_decode_wait returns the token of the
+ * oldest step not yet waited for. A forward waits for the steps in flight first. */
+void gpu_decode_launch(GpuModel *g, int token, int pos, float temperature, float topp, float coin);
+int gpu_decode_wait(GpuModel *g);
 #ifdef LAGUNA_TRACE
 /* make dev/bench_gpu_trace (laguna.cu built with -DLAGUNA_TRACE): gpu_decode_step with each kernel block's start,
  * wait return and end recorded, written to path as CSV (dev/trace_summary.py) */

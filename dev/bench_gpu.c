@@ -72,6 +72,8 @@ int main(int argc, char **argv) {
     const char *te = getenv("LAGUNA_BENCH_TEMP"), *pe = getenv("LAGUNA_BENCH_TOPP");
     const float temp = te ? (float)atof(te) : 0.0f, topp = pe ? (float)atof(pe) : 0.95f;
     if (temp > 0.0f) printf("decode samples at temperature %.2f, top-p %.2f (LAGUNA_BENCH_TEMP / _TOPP)\n", temp, topp);
+    const int chain = !getenv("LAGUNA_BENCH_CHAIN") || atoi(getenv("LAGUNA_BENCH_CHAIN"));
+    if (!chain) printf("decode one step at a time (LAGUNA_BENCH_CHAIN=0)\n");
     unsigned long long coin_rng = 7;
 #define COIN() (temp > 0.0f ? random_f32(&coin_rng) : 0.0f)
     int contexts[16] = {512, 2048, 8192, 32768, 131072}, nc = 5;
@@ -97,12 +99,21 @@ int main(int argc, char **argv) {
         for (int i = 0; i < L; i += T) logits = gpu_forward(g, ids + i, L - i < T ? L - i : T, i, 0);
         int next = argmax_row(logits, c->vocab_size);
         double prefill_s = now_s() - tp;
-        /* decode: 8 warm-up steps, then 128 timed */
+        /* decode: 8 warm-up steps, then 128 timed; each step launched before the previous one's token is read, as
+         * ./laguna does (LAGUNA_BENCH_CHAIN=0: one step at a time, launch and wait) */
         int pos = L;
         for (int i = 0; i < 8; i++) next = gpu_decode_step(g, next, pos++, temp, topp, COIN());
         int steps = 128;
         double td = now_s();
-        for (int i = 0; i < steps; i++) next = gpu_decode_step(g, next, pos++, temp, topp, COIN());
+        if (chain) {
+            gpu_decode_launch(g, next, pos++, temp, topp, COIN());
+            for (int i = 0; i < steps; i++) {
+                if (i + 1 < steps) gpu_decode_launch(g, -1, pos++, temp, topp, COIN());
+                next = gpu_decode_wait(g);
+            }
+        } else {
+            for (int i = 0; i < steps; i++) next = gpu_decode_step(g, next, pos++, temp, topp, COIN());
+        }
         double dec_s = (now_s() - td) / steps;
 #ifdef LAGUNA_TRACE
         /* make dev/bench_gpu_trace: one more step at the first context, every kernel block timed (untimed here) */

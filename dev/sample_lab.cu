@@ -25,7 +25,7 @@ struct Lab {
     float *logits;
     Step *st, *h_st;
     SampleScratch *s;
-    int *out_host, *out_dev;
+    Step *ring_host, *ring_dev;                     /* the sampler's token: slot st->seq & 1 (seq 0 here: slot 0) */
 };
 
 static void chain(Lab &L, int V) {
@@ -33,7 +33,7 @@ static void chain(Lab &L, int V) {
     sample_stats<<<nblk, SAMPLE_THREADS>>>(L.logits, V, L.st, L.s);
     for (int pass = 0; pass < 3; pass++) sample_radix<<<nblk, SAMPLE_THREADS>>>(L.logits, V, L.st, L.s, pass);
     sample_mass<<<nblk, SAMPLE_THREADS>>>(L.logits, V, L.st, L.s);
-    sample_pick<<<1, SAMPLE_THREADS>>>(L.logits, V, nblk, L.st, L.s, L.out_dev);
+    sample_pick<<<1, SAMPLE_THREADS>>>(L.logits, V, nblk, L.st, L.s, L.ring_dev);
     CUDA_CHECK(cudaGetLastError());
 }
 
@@ -83,9 +83,9 @@ static void one_case(Lab &L, int V, double scale, float T, float topp, int draws
         L.h_st->coin = (float)urand();
         if (L.h_st->coin >= 1.0f) L.h_st->coin = 0.0f;
         CUDA_CHECK(cudaMemcpy(&L.st->coin, &L.h_st->coin, sizeof(float), cudaMemcpyHostToDevice));
-        sample_pick<<<1, SAMPLE_THREADS>>>(L.logits, V, (V + SAMPLE_CHUNK - 1) / SAMPLE_CHUNK, L.st, L.s, L.out_host);
+        sample_pick<<<1, SAMPLE_THREADS>>>(L.logits, V, (V + SAMPLE_CHUNK - 1) / SAMPLE_CHUNK, L.st, L.s, L.ring_host);
         CUDA_CHECK(cudaDeviceSynchronize());
-        const int t = *(volatile int *)L.out_host;
+        const int t = *(volatile int *)&L.ring_host[0].out;
         if (t < 0 || t >= V) { outside++; continue; }
         count[t]++;
         if (!in[t]) outside++;
@@ -124,8 +124,8 @@ int main() {
     CUDA_CHECK(cudaMalloc(&L.st, sizeof(Step)));
     CUDA_CHECK(cudaMallocHost(&L.h_st, sizeof(Step)));
     CUDA_CHECK(cudaMalloc(&L.s, sample_scratch_bytes(VMAX)));
-    CUDA_CHECK(cudaHostAlloc(&L.out_host, sizeof(int), cudaHostAllocMapped));
-    CUDA_CHECK(cudaMalloc(&L.out_dev, sizeof(int)));
+    CUDA_CHECK(cudaHostAlloc(&L.ring_host, 2 * sizeof(Step), cudaHostAllocMapped));
+    CUDA_CHECK(cudaMalloc(&L.ring_dev, 2 * sizeof(Step)));
     memset(L.h_st, 0, sizeof(Step));
     const int Vs[] = {16, 18, 2048, 2049, 5003, VMAX};
     const double scales[] = {0.5, 3.0, 10.0};
