@@ -1836,7 +1836,10 @@ static int chat_loop(Engine *e, Sampler *sp, Printer *pr, const Options *o) {
         /* reuse the cached prefix: the conversation so far renders to the same tokens */
         int same = 0;
         while (same < n && same < n_cache && ids[same] == cache[same]) same++;
-        /* a sliding-window ring only survives a short rollback: otherwise prefill from the start */
+        /* a sliding-window ring (W + max_tokens - 1 rows) only survives a short rollback: otherwise prefill from the
+         * start. The rows written since `same` reach position n_cache at most (the GPU computes and throws away the
+         * step after a stop token, which writes row n_cache; generate()), so a row the prefill still needs (from
+         * same - W + 1 on) can have been overwritten only when n_cache - same >= max_tokens. */
         if (n_cache - same >= e->m->state.max_tokens) same = 0;
         if (same == n) same = n - 1;          /* always run at least the last token for its logits */
         if (o->think && isatty(1)) { fputs("\033[2m", stdout); pr->dim = 1; }
