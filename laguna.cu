@@ -460,7 +460,8 @@ __device__ __forceinline__ void dequant_chunk(WPtr row, int k, int n, T *dst) {
  * the step; the embedding kernel copies them to the device (d_step, and the position to g->pos) and the sampler
  * writes the token it picks to both, so the step's graph is kernels only: no copy nodes before or after it.
  * Two such slots on the host, step seq in slot seq & 1, so the host can launch step seq + 1 (token -1: the token
- * step seq samples, read on the device) while step seq runs (gpu_decode_launch). */
+ * step seq samples, read on the device) while step seq runs (gpu_decode_launch). seq: the step's number, counted on
+ * the device (embed_kernel; the host's own count is g->seq). */
 struct Step { int token, pos; float temperature, topp, coin; int out, seq; };
 
 /* h = embed[token] (no scaling); a quantized row is dequantized here (value * scale, as laguna.c's weight_row).
@@ -1253,10 +1254,10 @@ __global__ void attention_scalar(const float *qkvg, int NQ, int n, int g, int nh
  * - The first tile's cache rows and RoPE's angles are taken before the wait on the q/k/v/g matvec: only the new
  *   key's row is written this step, and it comes from shared memory instead (pos itself is written before the
  *   step's kernels).
- * - After the wait each block copies its group's q heads and the new k and v into shared memory (16-byte loads, all
- *   in flight at once: +1.1% / +1.5% decode at 512 / 8K over scalar loads, dev/gpu_notes.md round 16), norms and
- *   ropes q and k there (v as is); the block that owns the new key writes it to the cache (rounded to the cache
- *   type, as used here).
+ * - After the wait each block norms and ropes its group's q heads and the new k (v as is): a warp a vector, in the
+ *   registers the vector is loaded into (D >= 32 with rd / 2 a multiple of 32: +1.0% decode, dev/gpu_notes.md
+ *   round 18), else through a copy in shared memory (16-byte loads, all in flight at once, round 16); the block that
+ *   owns the new key writes it to the cache (rounded to the cache type, as used here).
  * - Per tile: scores (each thread's partial dots for every head, then one transposing shuffle reduction) and the
  *   tile's values (unpacked to f32) to shared memory; per head the running max and sum (fixed shuffle trees); then
  *   p . V with a thread a dim for HP = max(1, 8 D / 256) heads, so an output needs no sum across threads (round
@@ -3247,7 +3248,7 @@ struct GpuModel {
     int seq, inflight;       /* decode steps launched so far, and how many of them not yet waited for */
     int chained;             /* the last thing on the stream is a decode step (a step may take its token) */
     cudaEvent_t step_done[2];   /* recorded after the step of each slot */
-    int step_in;             /* set while enqueueing a decode step: the embedding reads the token from m_step */
+    int step_in;             /* set while enqueueing a decode step: the embedding reads its parameters from m_step */
     SampleScratch *sample_s; /* the sampler's histograms and per-block sums (sample_scratch_bytes) */
     cudaStream_t stream;
     cublasHandle_t blas;
@@ -4378,9 +4379,9 @@ extern "C" float *gpu_forward(GpuModel *g, const int *tokens, int n, int pos, in
     return g->h_logits;
 }
 
-/* One decode step: forward `token` at `pos` and sample the next token on the device. The whole step (the
- * parameters' upload, ~245 kernels (6 per layer), the sampler, the token's download) is one CUDA graph,
- * captured at init; the token and position live in device memory, so the same graph serves every position.
+/* One decode step: forward `token` at `pos` and sample the next token on the device. The whole step (~245 kernels,
+ * 6 per layer, then the sampler's 1 or 6) is one CUDA graph, captured at init; the step's parameters come from the
+ * host's mapped slots and the token and position live in device memory, so the same graph serves every position.
  * A graph rather than a persistent kernel: the kernels stay small and separately testable, and replay removes
  * the launch gaps; a persistent kernel for the whole step was built and measured slower (dev/gpu_notes.md). */
 static void enqueue_decode(GpuModel *g, int sampled) {
@@ -4439,7 +4440,6 @@ extern "C" void gpu_decode_launch(GpuModel *g, int token, int pos, float tempera
     const int slot = g->seq & 1;
     Step *s = &g->h_step[slot];
     s->token = token; s->pos = pos; s->temperature = temperature; s->topp = topp; s->coin = coin; s->out = -1;
-    s->seq = g->seq;
     g->long_attn = pos >= g->long_from;
     const int sampled = temperature > 0.0f;
     cudaGraphExec_t ge = g->long_attn && g->graph_long[sampled] ? g->graph_long[sampled] : g->graph[sampled];
