@@ -429,6 +429,38 @@ def test_gpu_decode_launched_ahead(laguna_gpu, vocab18):
             assert stopped > 0
 
 
+def test_gpu_chat_launched_ahead(laguna_gpu, tmp_path):
+    """-m chat keeps the KV cache between turns, and on the GPU each reply's step after its stop token has been
+    computed and thrown away (generate()): its coin goes back to the rng, the next turn's prefill overwrites its cache
+    row, and chat_loop's prefix reuse must still hold. A copy of the xs21_bf16 fixture (tokenizer and chat template)
+    with lm_head's row for EOS (24) scaled by 6, so sampled replies often stop early: six turns, sampled at T 1 and
+    T 0.8 / top-p 0.9 over two seeds, give the same tokens as launching each step only once its token is read
+    (LAGUNA_NO_AHEAD=1) -- a coin not given back would shift every later draw -- and so does greedy. (Not compared
+    with the CPU: the GPU's prefill of a turn rounds its GEMM inputs to bf16, so near-ties of this random model can
+    go the other way; test_gpu_greedy_identical covers short prompts.)"""
+    from safetensors.torch import load_file, save_file
+    hf = tmp_path / "hf"
+    shutil.copytree(fx("xs21_bf16", "hf"), hf)
+    sd = load_file(str(hf / "model.safetensors"))
+    sd["lm_head.weight"][24] = (sd["lm_head.weight"][24].float() * 6).to(sd["lm_head.weight"].dtype)
+    save_file(sd, str(hf / "model.safetensors"), metadata={"format": "pt"})
+    m = str(tmp_path / "m.bin")
+    run([sys.executable, os.path.join(ROOT, "export.py"), "-q", str(hf), m])
+    turns = "hello\nwrite a function\nmore\nok\nfine\nagain\n"
+    stopped_mid = 0
+    for extra in (["-t", "0"], ["-t", "1.0", "-s", "3"], ["-t", "1.0", "-s", "4"], ["-t", "0.8", "-p", "0.9", "-s", "3"],
+                  ["-t", "0.8", "-p", "0.9", "-s", "4"]):
+        args = [laguna_gpu, m, "-m", "chat", "-n", "24", "--ids", *extra]
+        ahead = run(args, input=turns).stdout.splitlines()
+        one = run(args, input=turns, env=dict(os.environ, LAGUNA_NO_AHEAD="1")).stdout.splitlines()
+        lens = [len(line.split()) for line in ahead]
+        stopped_mid += sum(n < 24 for n in lens[:-1])  # a stop with a turn after it
+        same = ahead == one
+        print(f"\n[gpu] chat launched ahead, {' '.join(extra)}: reply lengths {lens}; == one step at a time {same}")
+        assert len(ahead) == 6 and same
+    assert stopped_mid >= 5
+
+
 def test_gpu_prompt_longer_than_context_refused(laguna_gpu, exported):
     r = run([laguna_gpu, exported("xs2_f32"), "--ids", " ".join(["5"] * 40), "-c", "16"], check=False)
     assert r.returncode == 1 and "exceeds the context size" in r.stderr
