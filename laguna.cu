@@ -4051,10 +4051,12 @@ static void mlp_decode(GpuModel *g, int l) {
     int H = c->dim, I = c->moe_hidden_dim, K = c->n_experts_active, E = c->n_experts, DT = Fmt<W>::DT, RG = Fmt<W>::RG;
     const WPtr gate_up = wmat(DT, L->gate_up, 2 * (size_t)L->hid, H), down = wmat(DT, L->down, H, L->hid);
     const WPtr egu = wmat(DT, L->experts_gate_up, (size_t)E * 2 * I, H), edn = wmat(DT, L->experts_down, (size_t)E * H, I);
-    /* gate/up: by column slices (H <= 2048; q8 / q4 with H % 8 == 0: 8 units a block, bf16 / f32 4), the warp-per-unit
-     * kernel (LAGUNA_QWARP=1), or the general one; the always-on matrix's blocks first */
+    /* gate/up: by column slices (H <= 2048; q8 / q4 with H % 8 == 0), 4 units a block in every format, the
+     * warp-per-unit kernel (LAGUNA_QWARP=1), or the general one; the always-on matrix's blocks first. q8 / q4 had 8
+     * units a block (a block's bytes as bf16's): 4 made decode 4.4% (q8) and 2.0% (q4) faster at 512, 2 slower (-2.4%
+     * against 4), and bf16 at 2 no different (H200, XS-2.1; dev/gpu_notes.md round 20). */
     const bool gu_cols = (!is_q<W> || (!g->qwarp && H % 8 == 0)) && H <= 2048 && !g->moe_general;
-    constexpr int RU = is_q<W> ? 8 : 4;             /* units a column-slice block */
+    constexpr int RU = 4;                           /* units a column-slice block */
 #define GATE_UP(EGU, NI, KA) do { \
         if (gu_cols) { \
             launch(g, moe_gate_up_cols<W, RU>, dim3((L->hid + RU - 1) / RU + (KA) * ((I + RU - 1) / RU)), dim3(256), 0, \
