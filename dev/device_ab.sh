@@ -16,7 +16,8 @@
 # $EXTRA: more B-only bench_gpu command lines (arguments after the file, e.g. "--kv fp8 8192 131072"; several
 # separated by ';', each optionally "VAR=x VAR2=y|" first for its environment), on the bf16 file.
 # $TRACE=1: B is also built with -DLAGUNA_TRACE and traces one decode step at 512 on the bf16 file (trace.csv.gz,
-# trace_summary.txt; dev/trace_summary.py's tables (b) and (c) also go to ab.txt); $TRACE_ENV (VAR=value words, several
+# trace_summary.txt; dev/trace_summary.py's tables (b) and (c) also go to ab.txt); $TRACE_DT: more files to trace the
+# same way (e.g. "q8": trace_q8.csv.gz, its tables to ab.txt); $TRACE_ENV (VAR=value words, several
 # sets separated by ';'): one more trace per set with that environment (trace_env1.csv.gz, ...; tables to ab.txt).
 # $LABS: kernel labs (make targets, e.g. "dev/few_lab") built with B and run once after the builds, before the
 # benches, their output into ab.txt.
@@ -108,21 +109,22 @@ if [ -n "${EXTRA:-}" ] && [ -f /dev/shm/ab-bf16.bin ]; then
     done
 fi
 trace() {   # trace() NAME [VAR=value ...]: one traced step at 512, its tables (b) and (c) appended to ab.txt
-    local name=$1; shift
-    env "$@" LAGUNA_TRACE_OUT="$OUT/$name.csv" timeout 120 ./dev/bench_gpu_trace /dev/shm/ab-bf16.bin 512 \
+    local name=$1 dt=${TDT:-bf16}; shift
+    env "$@" LAGUNA_TRACE_OUT="$OUT/$name.csv" timeout 120 ./dev/bench_gpu_trace /dev/shm/ab-$dt.bin 512 \
         > "$OUT/${name}_bench.log" 2>&1
-    echo "B bf16 traced build $*: $(grep '^| [0-9]' "$OUT/${name}_bench.log" | cut -d'|' -f2,5)" >> "$S"
+    echo "B $dt traced build $*: $(grep '^| [0-9]' "$OUT/${name}_bench.log" | cut -d'|' -f2,5)" >> "$S"
     python3 dev/trace_summary.py "$OUT/$name.csv" --brief > "$OUT/${name}_summary.txt" 2>&1
     sed -n '/^(b)/,$p' "$OUT/${name}_summary.txt" >> "$S"
     gzip -f "$OUT/$name.csv"
 }
-if [ -n "$TR" ] && [ -f /dev/shm/ab-bf16.bin ]; then
-    trace trace
-    if [ -n "${TRACE_ENV:-}" ]; then
+if [ -n "$TR" ]; then
+    [ -f /dev/shm/ab-bf16.bin ] && trace trace
+    if [ -n "${TRACE_ENV:-}" ] && [ -f /dev/shm/ab-bf16.bin ]; then
         IFS=';' read -ra tenvs <<< "$TRACE_ENV"
         for i in "${!tenvs[@]}"; do trace trace_env$((i + 1)) ${tenvs[$i]}; done
     fi
-    rm -f "$OUT"/trace_env*_bench.log "$OUT"/trace_env*_summary.txt   # their tables are in ab.txt (8 files come back)
+    for dt in ${TRACE_DT:-}; do [ -f /dev/shm/ab-$dt.bin ] && TDT=$dt trace trace_$dt; done
+    rm -f "$OUT"/trace_env*_bench.log "$OUT"/trace_env*_summary.txt "$OUT"/trace_q*_bench.log "$OUT"/trace_q*_summary.txt
 fi
 rm -f /dev/shm/ab-*.bin
 echo "benches done in $(( $(date +%s) - t0 )) s" >> "$S"
