@@ -12,7 +12,8 @@
  *           last block reads every block's output).
  *   cluster stream in thread-block clusters of 16 (sm_90) with the merge through distributed shared memory.
  *   waves   the stream kernel's bytes in one wave: 2 blocks per SM, each looping over S steps of 32 KB (the next
- *           step's loads issued before the current one is summed), against stream's S waves of blocks.
+ *           step's loads issued before the current one is summed), against stream's S waves of blocks
+ *           (H200, round 20: 0.68 us + 0.219 us/MB, 4573 GB/s, against stream's 1.02 + 0.220).
  *   nc      stream with laguna.cu's weight loads (ld_stream: ld.global.nc.L1::no_allocate) instead of __ldcs.
  *   nc2     nc with at most 2 blocks an SM (a dynamic shared-memory reservation), as laguna's 124-register matvecs.
  *   matvec  laguna.cu's bf16 decode matvec itself (matvec_warp<bf16, 8, 2>, RMSNorm folded in): 16 rows of 2048 a
@@ -74,27 +75,35 @@ __global__ void __launch_bounds__(256) stream_kernel(const uint4 *w, size_t off,
     if (threadIdx.x == 0) y[blockIdx.x % XN] = s * 1e-9f;
 }
 
-/* stream's bytes from a grid of one wave: each block S steps of 32 KB, the next step loaded while this one is used */
+/* stream's bytes from a grid of one wave: each block S steps of 32 KB, the next step loaded while this one is used.
+ * Two named buffers and the loop unrolled by two, so both stay in registers: the first version indexed one
+ * uint4[2][8] array by the step's parity, which put it in local memory (a 256-byte stack frame, ptxas -v), and its
+ * 2.2 TB/s (dev/gpu_notes.md round 5) measured that, not the design (found in round 20). */
 __global__ void __launch_bounds__(256, 2) waves_kernel(const uint4 *w, size_t off, const float *x, float *y, int S) {
     const int tid = threadIdx.x;
-    uint4 c[2][8];
-    auto chunk = [&](int s, int u) { return w + off + ((size_t)s * gridDim.x + blockIdx.x) * 8 * 256 + u * 256 + tid; };
+    uint4 a[8], b[8];
+    auto load = [&](uint4 (&c)[8], int s) {
 #pragma unroll
-    for (int u = 0; u < 8; u++) c[0][u] = __ldcs(chunk(0, u));
-    griddep_wait();
-    griddep_launch();
-    float xv[8];
-    load_x8(x + (tid * 8) % XN, xv);
-    float acc = 0.0f;
-    for (int s = 0; s < S; s++) {
-        if (s + 1 < S)
-#pragma unroll
-            for (int u = 0; u < 8; u++) c[(s + 1) & 1][u] = __ldcs(chunk(s + 1, u));
+        for (int u = 0; u < 8; u++) c[u] = __ldcs(w + off + ((size_t)s * gridDim.x + blockIdx.x) * 8 * 256 + u * 256 + tid);
+    };
+    float xv[8], acc = 0.0f;
+    auto use = [&](const uint4 (&c)[8]) {
 #pragma unroll
         for (int u = 0; u < 8; u++) {
-            const uint32_t *q = (const uint32_t *)&c[s & 1][u];
+            const uint32_t *q = (const uint32_t *)&c[u];
             acc += xv[u] * (float)((q[0] ^ q[1] ^ q[2] ^ q[3]) & 0xff);
         }
+    };
+    load(a, 0);
+    griddep_wait();
+    griddep_launch();
+    load_x8(x + (tid * 8) % XN, xv);
+    for (int s = 0; s < S; s += 2) {
+        if (s + 1 < S) load(b, s + 1);
+        use(a);
+        if (s + 1 >= S) break;
+        if (s + 2 < S) load(a, s + 2);
+        use(b);
     }
     acc = block_sum(acc);
     if (tid == 0) y[blockIdx.x % XN] = acc * 1e-9f;
