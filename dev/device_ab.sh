@@ -124,7 +124,7 @@ if [ -n "$TR" ]; then
         for i in "${!tenvs[@]}"; do trace trace_env$((i + 1)) ${tenvs[$i]}; done
     fi
     for dt in ${TRACE_DT:-}; do [ -f /dev/shm/ab-$dt.bin ] && TDT=$dt trace trace_$dt; done
-    rm -f "$OUT"/trace_env*_bench.log "$OUT"/trace_env*_summary.txt "$OUT"/trace_q*_bench.log "$OUT"/trace_q*_summary.txt
+    rm -f "$OUT"/trace_*_bench.log "$OUT"/trace_*_summary.txt   # the extra traces: their tables are in ab.txt
 fi
 rm -f /dev/shm/ab-*.bin
 echo "benches done in $(( $(date +%s) - t0 )) s" >> "$S"
