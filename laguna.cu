@@ -845,6 +845,93 @@ __global__ void MATVEC_COLS_BOUNDS matvec_cols(float *out, WPtr w, int rows, int
     }
 }
 
+/* matvec_cols as one wave of blocks that loop (the q8 / q4 whole-row matvecs: q/k/v/g and lm_head). The host launches
+ * at most as many blocks as fit the GPU at once; block b owns row groups b, b + G, b + 2G, ... (G: the grid), each
+ * group sub * R rows in matvec_cols' layout (a thread owns 8 columns of its subgroup's R rows, x in registers). Two
+ * named register buffers: the next group's weights are loaded before the current group is summed, so the memory
+ * system stays busy while a block does its arithmetic. A q8 / q4 block's time is its arithmetic (~3 instructions a
+ * weight, done by every block of a wave at once: dev/gpu_notes.md, round 20), which a block of matvec_cols cannot
+ * overlap with its own loads. One barrier a group: the group's warp sums alternate between two halves of red. The
+ * products and sums are matvec_cols', in the same order, so the result is the same to the bit. Measured on the H200
+ * (round 21): q8 523.0 -> 543.7 tok/s, q4 506.5 -> 524.1; bf16 473.2 -> 466.7, so bf16 / f32 stay on matvec_cols
+ * (LAGUNA_MV_LOOP=1 / 0 sends every format / none here: a test and timing hook). */
+#ifndef LAGUNA_LOOP_MINB
+#define LAGUNA_LOOP_MINB 0      /* bf16 / f32: blocks an SM for __launch_bounds__ (0: as ptxas likes; bf16 110 registers) */
+#endif
+#ifndef LAGUNA_LOOP_QMINB
+#define LAGUNA_LOOP_QMINB 3     /* q8 / q4: 80 registers, no spills. Measured (q8, 512): 2 blocks an SM 539.0 tok/s,
+                                   3 543.5, 4 503.0 (64 registers, 132 bytes spilled; q4 fits 64 without: not timed);
+                                   a grid of 1 or 2 blocks an SM at 3 resident: 420.2, 511.9 */
+#endif
+#define MATVEC_LOOP_BOUNDS __launch_bounds__(256, is_q<W> ? LAGUNA_LOOP_QMINB : LAGUNA_LOOP_MINB)
+template <typename W, int R>
+__global__ void MATVEC_LOOP_BOUNDS matvec_loop(float *out, WPtr w, int rows, int in, const float *x, const float *norm_w,
+                                               float eps, float *xb_out, const float *bias, int accumulate) {
+    TRACE_BLOCK();
+    constexpr int CH = 8;
+    typedef typename Cols8<W>::T U;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int sub = col_subgroups((in + CH - 1) / CH);
+    const int sg = tid / (256 / sub), k = (tid % (256 / sub)) * CH, rg = sub * R;   /* rg: rows a group */
+    const int ng = (rows + rg - 1) / rg, G = gridDim.x;    /* the host launches at most ng blocks */
+    const bool mine = k < in;
+    U a[R], b[R];
+    auto load = [&](U (&c)[R], int grp) {
+        const int r0 = (grp * sub + sg) * R;
+        if (mine)
+#pragma unroll
+            for (int j = 0; j < R; j++) c[j] = load8<W>(wrow<W>(w, min(r0 + j, rows - 1), in), k);
+    };
+    int grp = blockIdx.x;
+    load(a, grp);                                  /* the first group before the wait */
+    float nw[CH];
+    if (mine && norm_w) load_x8(norm_w + k, nw);
+    griddep_wait();                                /* x is the previous kernel's output */
+    griddep_launch();
+    float xv[CH];
+    if (mine) load_x8(x + k, xv);
+    else for (int i = 0; i < CH; i++) xv[i] = 0.0f;
+    if (norm_w) {                                  /* each subgroup holds all of x: count the first one's squares */
+        float inv = 1.0f / sqrtf(block_sum(sg == 0 ? dot8(xv, xv) : 0.0f) / in + eps);
+        if (mine) {
+            for (int i = 0; i < CH; i++) xv[i] = nw[i] * (xv[i] * inv);
+            if (xb_out && blockIdx.x == 0 && sg == 0) store8(xb_out + k, xv);
+        }
+    }
+    __shared__ float red[2][8][R];
+    int par = 0;
+    auto finish = [&](const U (&c)[R], int gi) {   /* group gi's dots, warp sums, and its rows written */
+        float acc[R] = {};
+        if constexpr (!is_q<W>) {
+            if (mine) chunk_dot<W, R>(c, in - k, [&](int, float f[8]) { for (int i = 0; i < 8; i++) f[i] = xv[i]; }, acc);
+        } else {
+            if (mine) cols8_dot<W, R>(c, xv, acc);
+        }
+        float v = warp_reduce_rows<R>(acc, lane);
+        if (lane % (32 / R) == 0) red[par][warp][lane / (32 / R)] = v;
+        __syncthreads();
+        const int rr = gi * rg + tid;
+        if (tid < rg && rr < rows) {
+            const int wpg = 8 / sub, gs = tid / R, j = tid % R;
+            float s = 0.0f;
+            for (int i = 0; i < wpg; i++) s += red[par][gs * wpg + i][j];
+            if (bias) s += bias[rr];
+            out[rr] = accumulate ? out[rr] + s : s;
+        }
+        par ^= 1;
+    };
+    for (;;) {                                     /* unrolled by two: a and b stay registers */
+        const int g1 = grp + G, g2 = grp + 2 * G;
+        if (g1 < ng) load(b, g1);
+        finish(a, grp);
+        if (g1 >= ng) break;
+        if (g2 < ng) load(a, g2);
+        finish(b, g1);
+        if (g2 >= ng) break;
+        grp = g2;
+    }
+}
+
 __global__ void add_bias_kernel(float *y, const float *b, int n, int d) {
     size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
     if (i < (size_t)n * d) y[i] += b[i % d];
@@ -3208,6 +3295,10 @@ struct GpuModel {
     double few_max;          /* gemm_few for matrices of at most this many elements, cuBLAS above (LAGUNA_FEW_MAX: a timing
                                 hook) */
     int split_cols;          /* o_proj by column slices over a cluster (LAGUNA_NO_SPLIT_COLS=1: the block-rows kernel) */
+    int mv_loop;             /* whole-row matvecs by matvec_loop: -1 q8 / q4 (the default), 1 every format, 0 none
+                                (LAGUNA_MV_LOOP=1 / 0: a test and timing hook) */
+    int loop_blocks;         /* matvec_loop's grid at most this many blocks (LAGUNA_LOOP_BLOCKS: so the tests' small
+                                matrices loop; 0: as many as fit the GPU) */
     /* LAGUNA_PROF=1 (a timing hook, dev/bench_gpu): forwards of 2..64 tokens (verification) record an event after
      * each step; the time between events is summed per step name and printed by gpu_free */
     int prof, prof_on, prof_n, prof_cap, prof_calls, prof_nstep;
@@ -3532,6 +3623,8 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
     g->moe_general = getenv("LAGUNA_MOE_GENERAL") != NULL;     /* so the tests reach that path at small shapes */
     g->prof = getenv("LAGUNA_PROF") != NULL;
     g->split_cols = getenv("LAGUNA_NO_SPLIT_COLS") == NULL;
+    g->mv_loop = getenv("LAGUNA_MV_LOOP") ? atoi(getenv("LAGUNA_MV_LOOP")) != 0 : -1;
+    g->loop_blocks = getenv("LAGUNA_LOOP_BLOCKS") ? atoi(getenv("LAGUNA_LOOP_BLOCKS")) : 0;
     g->down_warp = getenv("LAGUNA_DOWN_WARP") != NULL;     /* so the tests reach that path in bf16 / f32 */
     g->qwarp = getenv("LAGUNA_QWARP") != NULL;            /* so the tests reach those kernels */
     g->few = getenv("LAGUNA_NO_FEW") == NULL;
@@ -3925,11 +4018,22 @@ static void matvec(GpuModel *g, float *out, const void *w, int rows, int in, con
      * H200 in the decode graph (dev/gpu_notes.md, rounds 2, 5, 9, 10 and 11): bf16 by matvec_warp 355.6 tok/s, by
      * column slices 398.0; o_proj by the block-rows kernel 411.2, by a cluster of column slices 412.7; q4 407.6 ->
      * 446.1 and q8 416.2 -> 448.1 by column slices (16 or 32 rows a subgroup: slower). LAGUNA_QWARP=1 keeps q8 / q4 on
-     * the warp and block-rows kernels (a test and timing hook). */
+     * the warp and block-rows kernels (a test and timing hook). q8 / q4's whole rows go to matvec_loop (the same
+     * sums, by one wave of blocks that loop: round 21), bf16 / f32's to matvec_cols (slower looped). */
 #define MVW(R) launch(g, matvec_warp<W, 64 / CH, R>, dim3((rows + 8 * R * RG - 1) / (8 * R * RG)), dim3(256), 0, out, m, \
                       rows, in, x, norm_w, g->c.norm_eps, xb_out, bias, accumulate)
     const int ns = (in + 2047) / 2048;              /* column slices of 2048 */
     if (!is_q<W> || (!g->qwarp && in % 8 == 0)) {
+        if (in <= 2048 && (g->mv_loop < 0 ? is_q<W> : g->mv_loop)) {
+            static int per_sm = 0;                      /* blocks an SM (one count per format) */
+            if (!per_sm) CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, matvec_loop<W, 8>, 256, 0));
+            const int rb = 8 * col_subgroups((in + 7) / 8), ng = (rows + rb - 1) / rb;
+            int nb = per_sm * g->nsm;                   /* one wave */
+            if (g->loop_blocks > 0 && g->loop_blocks < nb) nb = g->loop_blocks;
+            launch(g, matvec_loop<W, 8>, dim3(ng < nb ? ng : nb), dim3(256), 0, out, m, rows, in, x, norm_w,
+                   g->c.norm_eps, xb_out, bias, accumulate);
+            return;
+        }
         if (in <= 2048) {
             const int rb = 8 * col_subgroups((in + 7) / 8);     /* rows a block */
             launch(g, matvec_cols<W, 8, false>, dim3((rows + rb - 1) / rb), dim3(256), 0, out, m, rows, in, x, norm_w,

@@ -108,16 +108,23 @@ def grids(grid, ts, tw, te, waited, marks):
     return g
 
 
-def lm_head_index(blocks):
+def lm_head_index(blocks, n_layers=0):
     """lm_head: the last of the grids with the most blocks (V / 8 rows a block: more than any layer's); the sampler's
-    grids follow it (one greedy, several when sampling)"""
-    most = max(blocks[1:]) if len(blocks) > 1 else 0
-    return max(i for i in range(1, len(blocks)) if blocks[i] == most) if len(blocks) >= 3 else len(blocks) - 2
+    grids follow it (one greedy, several when sampling). A kernel launched as one wave of blocks (a looping lm_head)
+    has fewer: then the grid that leaves a whole number of grids a layer before it and at most 16 sampler grids after"""
+    if len(blocks) < 3:
+        return len(blocks) - 2
+    most = max(blocks[1:])
+    i = max(i for i in range(1, len(blocks)) if blocks[i] == most)
+    if n_layers <= 0 or (i - 1) % n_layers == 0:
+        return i
+    fits = [j for j in range(1 + n_layers, len(blocks)) if (j - 1) % n_layers == 0 and len(blocks) - 1 - j <= 16]
+    return fits[-1] if fits else i
 
 
 def split_layers(blocks, n_layers):
     """the middle grids' indices per layer, or None"""
-    mid = list(range(1, lm_head_index(blocks)))
+    mid = list(range(1, lm_head_index(blocks, n_layers)))
     if n_layers > 0 and len(mid) % n_layers == 0 and len(mid) >= n_layers:
         k = len(mid) // n_layers
         return [mid[i:i + k] for i in range(0, len(mid), k)]
@@ -159,7 +166,7 @@ def main():
     us = {k: g[k] / 1e3 for k in ("start", "last", "wait", "end", "gap", "pre", "span", "step", "launch")}
     layers = split_layers(g["blocks"], args.layers)
     label = [f"#{i}" for i in range(n)]
-    lm = lm_head_index(g["blocks"])
+    lm = lm_head_index(g["blocks"], args.layers)
     samplers = list(range(lm + 1, n))
     if n >= 3:
         label[0], label[lm] = "embed", "lm_head"

@@ -265,6 +265,18 @@ def test_gpu_column_slice_layouts(laguna_gpu, hidden, tmp_path):
         print(f"\n[gpu] hidden {hidden} ({256 // (hidden // 8)} subgroups), {label}: max |GPU - transformers| = "
               f"{d:.3g} (bar {TOL_F32})")
         assert d <= TOL_F32
+        if label == "token by token":
+            cols = got
+    # the looping kernel (matvec_loop: q8 / q4's whole-row matvecs) in these layouts, with f32 weights
+    # (LAGUNA_MV_LOOP=1), over a wave of blocks and over 3 blocks (each block loops): the same sums as matvec_cols,
+    # bit for bit
+    for blocks in ("0", "3"):
+        looped, _ = score(laguna_gpu, m, str(ids_file), tmp_path, "--chunk", "1",
+                          env=dict(os.environ, LAGUNA_MV_LOOP="1", LAGUNA_LOOP_BLOCKS=blocks))
+        print(f"[gpu] hidden {hidden}, token by token by the looping kernel over "
+              f"{blocks if blocks != '0' else 'a wave of'} blocks: max |looped - column slices| = "
+              f"{float(np.abs(looped - cols).max()):.3g} (bar: equal)")
+        assert np.array_equal(looped, cols)
 
 
 # head_dim -> heads per layer and kv heads: the fused decode attention's other head dims (the fixtures have 16, the
@@ -989,6 +1001,26 @@ def test_gpu_quant_logits_match_cpu(laguna_gpu, exported, name, dtype, tmp_path)
         worst = max(worst, d)
     print()
     assert worst <= TOL_F32
+
+
+@pytest.mark.parametrize("name,dtype", [("xs2_f32", "q8"), ("xs2_f32", "q4"), ("long", "q8"), ("xs21_bf16", "q4"),
+                                        ("xs21_bf16", None), ("variant", None)])
+def test_gpu_quant_matvec_loop_equals_column_slices(laguna_gpu, exported, name, dtype, tmp_path):
+    """The whole-row decode matvecs (q/k/v/g, lm_head) by the looping kernel (matvec_loop: a wave of blocks, each
+    summing row group after row group with the next group's weights already loading; q8 / q4's default) and by
+    matvec_cols (a block a row group; bf16 / f32's default) are the same sums in the same order: the logits must be
+    equal bit for bit, with the grid as wide as fits the GPU and with 1, 2 and 3 blocks (each block loops over many
+    groups and ends on either of its two buffers)."""
+    m = exported(name, "--dtype", dtype) if dtype else exported(name)
+    sc = fx(name, "score.txt")
+    ref, _ = score(laguna_gpu, m, sc, tmp_path, "--chunk", "1", env=dict(os.environ, LAGUNA_MV_LOOP="0"))
+    for blocks in ("0", "1", "2", "3"):
+        got, _ = score(laguna_gpu, m, sc, tmp_path, "--chunk", "1",
+                       env=dict(os.environ, LAGUNA_MV_LOOP="1", LAGUNA_LOOP_BLOCKS=blocks))
+        print(f"\n[gpu] {name} {dtype or 'as exported'}: looping kernel over {blocks if blocks != '0' else 'a wave of'} "
+              f"blocks: max |looped - column slices| = {float(np.abs(got - ref).max()):.3g} (bar: equal)", end="")
+        assert np.array_equal(got, ref)
+    print()
 
 
 @pytest.mark.parametrize("dtype", ["q8", "q4"])
