@@ -325,17 +325,68 @@ template <typename W> __device__ __forceinline__ typename Cols8<W>::T load8(WPtr
         return c;
     }
 }
-/* acc[j] += c[j] . x8 for the R rows' units (q8 / q4: times the group's scale) */
+/* The column-slice kernels' q8 / q4 dot products, in integers. A thread holds the same 8 values of x for all its rows,
+ * so it writes them once as integers over a power-of-two scale of its own: x ~ s * q, s = 2^(e - 22) where 2^e <= the
+ * largest magnitude < 2^(e + 1), so |q| < 2^23 and q is x to 2^-23 of the largest magnitude -- a float's own
+ * precision: nothing is rounded that float arithmetic would have kept, and the results agree with the float kernels'
+ * (and the CPU's) to float rounding. Each q is three bytes, q = 65536 * hi + 256 * mid + lo (hi signed, mid and lo
+ * not). A row's 8 weights then take 6 dp4a (four byte products added to an int32): the mid bytes' sum, times 256 with
+ * the lo bytes' sum added on top, and the hi bytes' sum; the float path took 8 byte_perm + 8 subtractions + 8 FMAs.
+ * The sums are exact (|mid * 256 + lo| < 2^27, |hi| < 2^18), then one float: 65536 * hi + (mid * 256 + lo), times the
+ * group's scale and s. q4: the nibbles split into even and odd bytes (an AND; a shift and an AND), x's bytes are
+ * arranged to match, and the values' offset of 8 is in the sums' start values (-8 * the byte sums). Measured on the
+ * H200 (XS-2.1, 512 / 8K; dev/gpu_notes.md, round 22): q8 543.0 -> 550.3 / 495.1 -> 503.4 tok/s, q4 521.7 -> 550.4 /
+ * 480.2 -> 503.7. x as int16 (4 dp2a a row's 8 weights) was faster still (q8 570, q4 609 at 512) but rounds x to 2^-16
+ * of the largest: a rounding that floats don't make, whose steps flipped routes of the random test models against
+ * the CPU (dev/patches/x16_dp2a.patch, with the CPU doing the same rounding: still ~1e-3 apart). */
+struct XQ8 { uint32_t lo[2], mid[2], hi[2]; float s; int start_l, start_m, start_h; };
+template <typename W> __device__ __forceinline__ XQ8 quant_x8(const float x[8]) {
+    XQ8 q = {};
+    float m = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; i++) m = fmaxf(m, fabsf(x[i]));
+    const int e = (int)(__float_as_uint(m) >> 23);  /* the biased exponent of the largest magnitude */
+    if (e < 23) return q;                           /* 0 (or below 2^-104: taken as 0): s = 0 */
+    if (e == 255) { q.s = __int_as_float(0x7fc00000); return q; }   /* inf / NaN in x: NaN sums, as floats give */
+    q.s = __uint_as_float((uint32_t)(e - 22) << 23);            /* 2^(e - 127 - 22) */
+    const float inv = __uint_as_float((uint32_t)(276 - e) << 23);   /* 1 / s, exactly */
+    constexpr bool Q4 = Fmt<W>::DT == DT_Q4;       /* words of x: q8 (0 1 2 3) (4 5 6 7), q4 (0 2 4 6) (1 3 5 7) */
+    int sl = 0, sm = 0, sh = 0;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        const int v = min(__float2int_rn(x[i] * inv), 8388607);    /* |x| * inv < 2^23 (= 2^23 only by rounding) */
+        const int w = Q4 ? i & 1 : i / 4, b = Q4 ? i / 2 : i % 4;
+        q.lo[w] |= (uint32_t)(v & 255) << (8 * b);
+        q.mid[w] |= (uint32_t)((v >> 8) & 255) << (8 * b);
+        q.hi[w] |= (uint32_t)((v >> 16) & 255) << (8 * b);
+        sl += v & 255; sm += (v >> 8) & 255; sh += v >> 16;
+    }
+    if constexpr (Q4) { q.start_l = -8 * sl; q.start_m = -8 * sm; q.start_h = -8 * sh; }
+    return q;
+}
+/* c + the sum of a's 4 bytes times b's: AS / BS whether a's / b's bytes are signed */
+template <bool AS, bool BS> __device__ __forceinline__ int dp4a(uint32_t a, uint32_t b, int c) {
+    int d;
+    if constexpr (AS && BS) asm("dp4a.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    else if constexpr (AS) asm("dp4a.s32.u32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    else if constexpr (BS) asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    else asm("dp4a.u32.u32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+/* acc[j] += c[j] . x for the R rows' units (x as xq; times the group's scale and xq's) */
 template <typename W, int R>
-__device__ __forceinline__ void cols8_dot(const typename Cols8<W>::T *c, const float x8[8], float *acc) {
+__device__ __forceinline__ void cols8_dot(const typename Cols8<W>::T *c, const XQ8 &xq, float *acc) {
+    constexpr bool S8 = Fmt<W>::DT == DT_Q8;       /* q8 values are signed bytes; q4's nibbles are not */
 #pragma unroll
     for (int j = 0; j < R; j++) {
-        QChunk q = {};                             /* wvals8's layout: the values in the first word(s) */
-        if constexpr (Fmt<W>::DT == DT_Q8) { q.a.x = c[j].v.x; q.a.y = c[j].v.y; }
-        else q.a.x = c[j].v;
-        float wv[8];
-        wvals8<W>(q, 0, wv);
-        acc[j] += __half2float(__ushort_as_half(c[j].s)) * dot8(wv, x8);
+        uint32_t w0, w1;
+        if constexpr (S8) { w0 = c[j].v.x; w1 = c[j].v.y; }
+        else { w0 = c[j].v & 0x0F0F0F0Fu; w1 = (c[j].v >> 4) & 0x0F0F0F0Fu; }
+        int ml = dp4a<false, S8>(xq.mid[1], w1, dp4a<false, S8>(xq.mid[0], w0, xq.start_m));
+        ml = dp4a<false, S8>(xq.lo[1], w1, dp4a<false, S8>(xq.lo[0], w0, ml * 256 + xq.start_l));
+        const int h = dp4a<true, S8>(xq.hi[1], w1, dp4a<true, S8>(xq.hi[0], w0, xq.start_h));
+        const float d = fmaf((float)h, 65536.0f, (float)ml);
+        acc[j] = fmaf(__half2float(__ushort_as_half(c[j].s)) * xq.s, d, acc[j]);
     }
 }
 /* acc[j] += c[j] . x for R chunks of R rows at the same columns: n of the chunk's CH columns lie inside the row (the
@@ -812,7 +863,7 @@ __global__ void MATVEC_COLS_BOUNDS matvec_cols(float *out, WPtr w, int rows, int
     if constexpr (!is_q<W>) {
         if (mine) chunk_dot<W, R>(c, in - k, [&](int, float f[8]) { for (int i = 0; i < 8; i++) f[i] = xv[i]; }, acc);
     } else {
-        if (mine) cols8_dot<W, R>(c, xv, acc);
+        if (mine) cols8_dot<W, R>(c, quant_x8<W>(xv), acc);
     }
     __shared__ float red[8][R];
     float v = warp_reduce_rows<R>(acc, lane);
@@ -898,6 +949,8 @@ __global__ void MATVEC_LOOP_BOUNDS matvec_loop(float *out, WPtr w, int rows, int
             if (xb_out && blockIdx.x == 0 && sg == 0) store8(xb_out + k, xv);
         }
     }
+    XQ8 xq = {};                                   /* q8 / q4: x as integers, once for all groups */
+    if constexpr (is_q<W>) xq = quant_x8<W>(xv);
     __shared__ float red[2][8][R];
     int par = 0;
     auto finish = [&](const U (&c)[R], int gi) {   /* group gi's dots, warp sums, and its rows written */
@@ -905,7 +958,7 @@ __global__ void MATVEC_LOOP_BOUNDS matvec_loop(float *out, WPtr w, int rows, int
         if constexpr (!is_q<W>) {
             if (mine) chunk_dot<W, R>(c, in - k, [&](int, float f[8]) { for (int i = 0; i < 8; i++) f[i] = xv[i]; }, acc);
         } else {
-            if (mine) cols8_dot<W, R>(c, xv, acc);
+            if (mine) cols8_dot<W, R>(c, xq, acc);
         }
         float v = warp_reduce_rows<R>(acc, lane);
         if (lane % (32 / R) == 0) red[par][warp][lane / (32 / R)] = v;
@@ -2266,7 +2319,7 @@ __global__ void __launch_bounds__(256) moe_gate_up_cols(WPtr experts_gu, int I, 
 #pragma unroll
                 for (int i = 0; i < 8; i++) f[i] = xv[8 * bb + i];
             }, acc);
-        else cols8_dot<W, 2 * R>(c, xv, acc);
+        else cols8_dot<W, 2 * R>(c, quant_x8<W>(xv), acc);
     }
     __shared__ float red[8][2 * R];
     float v = warp_reduce_rows<2 * R>(acc, lane);
@@ -2328,7 +2381,7 @@ __global__ void __launch_bounds__(256) moe_down_cols(float *x, WPtr experts_down
         float part[R] = {};
         if constexpr (!is_q<W>)
             chunk_dot<W, R>(c[u], 8, [&](int, float f[8]) { for (int i = 0; i < 8; i++) f[i] = h[u][i]; }, part);
-        else cols8_dot<W, R>(c[u], h[u], part);
+        else cols8_dot<W, R>(c[u], quant_x8<W>(h[u]), part);
 #pragma unroll
         for (int j = 0; j < R; j++) {
             if (seg[u] < na) acc[j] += wa[u] * part[j];
