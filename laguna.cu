@@ -818,6 +818,29 @@ __device__ __forceinline__ void cluster_wait_acquire() {
 #endif
 }
 
+/* matvec_cols' and matvec_loop's x: this thread's 8 values (0 when its columns lie past the row), RMS-normed with its
+ * norm weights nw when norm_w is given (each subgroup holds all of x: the first one's squares are counted); block 0's
+ * first subgroup writes the normed x to xb_out */
+__device__ __forceinline__ void cols_x8(float xv[8], const float *x, int k, bool mine, int sg, int in,
+                                        const float *norm_w, const float nw[8], float eps, float *xb_out) {
+    if (mine) load_x8(x + k, xv);
+    else for (int i = 0; i < 8; i++) xv[i] = 0.0f;
+    if (norm_w) {
+        float inv = 1.0f / sqrtf(block_sum(sg == 0 ? dot8(xv, xv) : 0.0f) / in + eps);
+        if (mine) {
+            for (int i = 0; i < 8; i++) xv[i] = nw[i] * (xv[i] * inv);
+            if (xb_out && blockIdx.x == 0 && sg == 0) store8(xb_out + k, xv);
+        }
+    }
+}
+/* the sum over subgroup tid / R's warps of row tid % R (red: each warp's row sums; 8 / sub warps a subgroup) */
+template <int R> __device__ __forceinline__ float subgroup_sum(const float (*red)[R], int sub, int tid) {
+    const int wpg = 8 / sub, g = tid / R, j = tid % R;
+    float s = 0.0f;
+    for (int i = 0; i < wpg; i++) s += red[g * wpg + i][j];
+    return s;
+}
+
 /* The trace build's bookkeeping took q/k/v/g's instance from 64 registers to 68, 4 blocks an SM to 3, so its traces
  * timed a slower kernel than the real one (dev/gpu_notes.md, round 15): traced, the bf16 / q8 / q4 instances are held
  * to 4 blocks an SM, as they run untraced (f32's take ~95 registers either way). */
@@ -850,15 +873,7 @@ __global__ void MATVEC_COLS_BOUNDS matvec_cols(float *out, WPtr w, int rows, int
     griddep_wait();                                /* x is the previous kernel's output */
     griddep_launch();
     float xv[CH];
-    if (mine) load_x8(x + k, xv);
-    else for (int i = 0; i < CH; i++) xv[i] = 0.0f;
-    if (!SPLIT && norm_w) {                        /* each subgroup holds all of x: count the first one's squares */
-        float inv = 1.0f / sqrtf(block_sum(sg == 0 ? dot8(xv, xv) : 0.0f) / in + eps);
-        if (mine) {
-            for (int i = 0; i < CH; i++) xv[i] = nw[i] * (xv[i] * inv);
-            if (xb_out && blockIdx.x == 0 && sg == 0) store8(xb_out + k, xv);
-        }
-    }
+    cols_x8(xv, x, k, mine, sg, in, SPLIT ? NULL : norm_w, nw, eps, xb_out);
     float acc[R] = {};
     if constexpr (!is_q<W>) {
         if (mine) chunk_dot<W, R>(c, in - k, [&](int, float f[8]) { for (int i = 0; i < 8; i++) f[i] = xv[i]; }, acc);
@@ -870,10 +885,8 @@ __global__ void MATVEC_COLS_BOUNDS matvec_cols(float *out, WPtr w, int rows, int
     if (lane % (32 / R) == 0) red[warp][lane / (32 / R)] = v;
     __syncthreads();
     if constexpr (!SPLIT) {
-        if (tid < sub * R && rb < rows) {          /* the sum over the subgroup's warps */
-            const int wpg = 8 / sub, g = tid / R, j = tid % R;
-            float s = 0.0f;
-            for (int i = 0; i < wpg; i++) s += red[g * wpg + i][j];
+        if (tid < sub * R && rb < rows) {
+            float s = subgroup_sum<R>(red, sub, tid);
             if (bias) s += bias[rb];
             out[rb] = accumulate ? prev + s : s;
         }
@@ -940,15 +953,7 @@ __global__ void MATVEC_LOOP_BOUNDS matvec_loop(float *out, WPtr w, int rows, int
     griddep_wait();                                /* x is the previous kernel's output */
     griddep_launch();
     float xv[CH];
-    if (mine) load_x8(x + k, xv);
-    else for (int i = 0; i < CH; i++) xv[i] = 0.0f;
-    if (norm_w) {                                  /* each subgroup holds all of x: count the first one's squares */
-        float inv = 1.0f / sqrtf(block_sum(sg == 0 ? dot8(xv, xv) : 0.0f) / in + eps);
-        if (mine) {
-            for (int i = 0; i < CH; i++) xv[i] = nw[i] * (xv[i] * inv);
-            if (xb_out && blockIdx.x == 0 && sg == 0) store8(xb_out + k, xv);
-        }
-    }
+    cols_x8(xv, x, k, mine, sg, in, norm_w, nw, eps, xb_out);
     XQ8 xq = {};                                   /* q8 / q4: x as integers, once for all groups */
     if constexpr (is_q<W>) xq = quant_x8<W>(xv);
     __shared__ float red[2][8][R];
@@ -965,9 +970,7 @@ __global__ void MATVEC_LOOP_BOUNDS matvec_loop(float *out, WPtr w, int rows, int
         __syncthreads();
         const int rr = gi * rg + tid;
         if (tid < rg && rr < rows) {
-            const int wpg = 8 / sub, gs = tid / R, j = tid % R;
-            float s = 0.0f;
-            for (int i = 0; i < wpg; i++) s += red[par][gs * wpg + i][j];
+            float s = subgroup_sum<R>(red[par], sub, tid);
             if (bias) s += bias[rr];
             out[rr] = accumulate ? out[rr] + s : s;
         }
