@@ -913,9 +913,9 @@ __global__ void MATVEC_COLS_BOUNDS matvec_cols(float *out, WPtr w, int rows, int
  * at most as many blocks as fit the GPU at once; block b owns row groups b, b + G, b + 2G, ... (G: the grid), each
  * group sub * R rows in matvec_cols' layout (a thread owns 8 columns of its subgroup's R rows, x in registers). Two
  * named register buffers: the next group's weights are loaded before the current group is summed, so the memory
- * system stays busy while a block does its arithmetic. A q8 / q4 block's time is its arithmetic (~3 instructions a
- * weight, done by every block of a wave at once: dev/gpu_notes.md, round 20), which a block of matvec_cols cannot
- * overlap with its own loads. One barrier a group: the group's warp sums alternate between two halves of red. The
+ * system stays busy while a block does its arithmetic. A q8 / q4 block's time was its arithmetic (~3 float
+ * instructions a weight before cols8_dot's integer dot products, done by every block of a wave at once:
+ * dev/gpu_notes.md, round 20), which a block of matvec_cols cannot overlap with its own loads. One barrier a group: the group's warp sums alternate between two halves of red. The
  * products and sums are matvec_cols', in the same order, so the result is the same to the bit. Measured on the H200
  * (round 21): q8 523.0 -> 543.7 tok/s, q4 506.5 -> 524.1; bf16 473.2 -> 466.7, so bf16 / f32 stay on matvec_cols
  * (LAGUNA_MV_LOOP=1 / 0 sends every format / none here: a test and timing hook). */
