@@ -326,35 +326,40 @@ template <typename W> __device__ __forceinline__ typename Cols8<W>::T load8(WPtr
     }
 }
 /* The column-slice kernels' q8 / q4 dot products, in integers. A thread holds the same 8 values of x for all its rows,
- * so it writes them once as integers over a power-of-two scale of its own: x ~ s * q, s = 2^(e - 22) where 2^e <= the
- * largest magnitude < 2^(e + 1), so |q| < 2^23 and q is x to 2^-23 of the largest magnitude -- a float's own
- * precision: nothing is rounded that float arithmetic would have kept, and the results agree with the float kernels'
- * (and the CPU's) to float rounding. Each q is three bytes, q = 65536 * hi + 256 * mid + lo (hi signed, mid and lo
- * not). A row's 8 weights then take 6 dp4a (four byte products added to an int32): the mid bytes' sum, times 256 with
- * the lo bytes' sum added on top, and the hi bytes' sum; the float path took 8 byte_perm + 8 subtractions + 8 FMAs.
- * The sums are exact (|mid * 256 + lo| < 2^27, |hi| < 2^18), then one float: 65536 * hi + (mid * 256 + lo), times the
- * group's scale and s. q4: the nibbles split into even and odd bytes (an AND; a shift and an AND), x's bytes are
- * arranged to match, and the values' offset of 8 is in the sums' start values (-8 * the byte sums). Measured on the
- * H200 (XS-2.1, 512 / 8K; dev/gpu_notes.md, round 22): q8 543.0 -> 550.3 / 495.1 -> 503.4 tok/s, q4 521.7 -> 550.4 /
- * 480.2 -> 503.7. x as int16 (4 dp2a a row's 8 weights) was faster still (q8 570, q4 609 at 512) but rounds x to 2^-16
- * of the largest: a rounding that floats don't make, whose steps flipped routes of the random test models against
- * the CPU (dev/patches/x16_dp2a.patch, with the CPU doing the same rounding: still ~1e-3 apart). */
+ * so it writes them once as integers over a power-of-two scale of its own: x ~ s * q, s = 2^(e - 21) where 2^e <= the
+ * largest magnitude < 2^(e + 1), so |q| <= 2^22 and q is x to 2^-22 of the largest magnitude -- two ulps of it, near
+ * a float's own precision: nothing is rounded in steps that float arithmetic would not make, and the results agree
+ * with the float kernels' (and the CPU's) to float rounding. Each q is three bytes, q = 65536 * hi + 256 * mid + lo
+ * (hi signed, mid and lo not). A row's 8 weights then take 6 dp4a (four byte products added to an int32) for the hi,
+ * mid and lo bytes' sums; the float path took 8 byte_perm + 8 subtractions + 8 FMAs. q4: the nibbles split into even
+ * and odd bytes (an AND; a shift and an AND), x's bytes are arranged to match, and the values' offset of 8 is in the
+ * sums' start values (-8 * the byte sums).
+ * No int <-> float conversions: they run on the SM's conversion unit at 16 a clock, which would cap a kernel near
+ * the float path's rate. The rounding of x * (1 / s) + 1.5 * 2^23 leaves a float whose bits less 0x4B400000 are q;
+ * a dp4a sum started at 0x4B400000 (the bits of 1.5 * 2^23) is, as a float, 1.5 * 2^23 + the sum, exact while
+ * |sum| < 2^22 (every byte sum here), so a subtraction gives it.
+ * Measured on the H200 (XS-2.1, 512 / 8K; dev/gpu_notes.md, rounds 22 and 23): the float path q8 543.0 / 495.1 tok/s,
+ * q4 521.7 / 480.2; these integers with I2F / F2I conversions q8 550.3 / 503.4, q4 550.4 / 503.7; without them q8
+ * 551.5 / 504.3, q4 561.0 / 512.8. x as int16 (4 dp2a a row's 8 weights) was faster still (q8 570, q4 609 at 512) but
+ * rounds x to 2^-16 of the largest: a rounding that floats don't make, whose steps flipped routes of the random test
+ * models against the CPU (dev/patches/x16_dp2a.patch, with the CPU doing the same rounding: still ~1e-3 apart). */
 struct XQ8 { uint32_t lo[2], mid[2], hi[2]; float s; int start_l, start_m, start_h; };
+constexpr int MAGIC_1P5_2P23 = 0x4B400000;          /* the bits of 1.5 * 2^23 = 12582912.0f */
 template <typename W> __device__ __forceinline__ XQ8 quant_x8(const float x[8]) {
     XQ8 q = {};
     float m = 0.0f;
 #pragma unroll
     for (int i = 0; i < 8; i++) m = fmaxf(m, fabsf(x[i]));
     const int e = (int)(__float_as_uint(m) >> 23);  /* the biased exponent of the largest magnitude */
-    if (e < 23) return q;                           /* 0 (or below 2^-104: taken as 0): s = 0 */
+    if (e < 22) return q;                           /* 0 (or below 2^-105: taken as 0): s = 0 */
     if (e == 255) { q.s = __int_as_float(0x7fc00000); return q; }   /* inf / NaN in x: NaN sums, as floats give */
-    q.s = __uint_as_float((uint32_t)(e - 22) << 23);            /* 2^(e - 127 - 22) */
-    const float inv = __uint_as_float((uint32_t)(276 - e) << 23);   /* 1 / s, exactly */
+    q.s = __uint_as_float((uint32_t)(e - 21) << 23);             /* 2^(e - 127 - 21) */
+    const float inv = __uint_as_float((uint32_t)(254 + 21 - e) << 23);   /* 1 / s, exactly */
     constexpr bool Q4 = Fmt<W>::DT == DT_Q4;       /* words of x: q8 (0 1 2 3) (4 5 6 7), q4 (0 2 4 6) (1 3 5 7) */
     int sl = 0, sm = 0, sh = 0;
 #pragma unroll
     for (int i = 0; i < 8; i++) {
-        const int v = min(__float2int_rn(x[i] * inv), 8388607);    /* |x| * inv < 2^23 (= 2^23 only by rounding) */
+        const int v = __float_as_int(fmaf(x[i], inv, 12582912.0f)) - MAGIC_1P5_2P23;   /* round(x * inv) */
         const int w = Q4 ? i & 1 : i / 4, b = Q4 ? i / 2 : i % 4;
         q.lo[w] |= (uint32_t)(v & 255) << (8 * b);
         q.mid[w] |= (uint32_t)((v >> 8) & 255) << (8 * b);
@@ -377,15 +382,17 @@ template <bool AS, bool BS> __device__ __forceinline__ int dp4a(uint32_t a, uint
 template <typename W, int R>
 __device__ __forceinline__ void cols8_dot(const typename Cols8<W>::T *c, const XQ8 &xq, float *acc) {
     constexpr bool S8 = Fmt<W>::DT == DT_Q8;       /* q8 values are signed bytes; q4's nibbles are not */
+    constexpr int M = MAGIC_1P5_2P23;
 #pragma unroll
     for (int j = 0; j < R; j++) {
         uint32_t w0, w1;
         if constexpr (S8) { w0 = c[j].v.x; w1 = c[j].v.y; }
         else { w0 = c[j].v & 0x0F0F0F0Fu; w1 = (c[j].v >> 4) & 0x0F0F0F0Fu; }
-        int ml = dp4a<false, S8>(xq.mid[1], w1, dp4a<false, S8>(xq.mid[0], w0, xq.start_m));
-        ml = dp4a<false, S8>(xq.lo[1], w1, dp4a<false, S8>(xq.lo[0], w0, ml * 256 + xq.start_l));
-        const int h = dp4a<true, S8>(xq.hi[1], w1, dp4a<true, S8>(xq.hi[0], w0, xq.start_h));
-        const float d = fmaf((float)h, 65536.0f, (float)ml);
+        const int h = dp4a<true, S8>(xq.hi[1], w1, dp4a<true, S8>(xq.hi[0], w0, M + xq.start_h));
+        const int m = dp4a<false, S8>(xq.mid[1], w1, dp4a<false, S8>(xq.mid[0], w0, M + xq.start_m));
+        const int l = dp4a<false, S8>(xq.lo[1], w1, dp4a<false, S8>(xq.lo[0], w0, M + xq.start_l));
+        const float d = fmaf(__int_as_float(h) - 12582912.0f, 65536.0f,          /* 65536 hi + 256 mid + lo */
+                             fmaf(__int_as_float(m) - 12582912.0f, 256.0f, __int_as_float(l) - 12582912.0f));
         acc[j] = fmaf(__half2float(__ushort_as_half(c[j].s)) * xq.s, d, acc[j]);
     }
 }
@@ -2491,21 +2498,47 @@ __device__ __forceinline__ uint4 few_x8(const float *p) {     /* f32 inputs (o_p
     return make_uint4(pack_bf16(a.x, a.y), pack_bf16(a.z, a.w), pack_bf16(b.x, b.y), pack_bf16(b.z, b.w));
 }
 
+/* A lane's 8 weights of a row at column k (a multiple of 8) for the mma's A operand, as 8 bf16: bf16 as stored; q8 /
+ * q4 (FewW: the column-slice unit, 8 or 4 bytes and the group's scale) dequantized, value * scale rounded to bf16:
+ * the bf16 matrix dequant_kernel writes for the cuBLAS path, made in registers instead of global memory. */
+template <typename W> struct FewW { typedef uint4 T; };
+template <> struct FewW<Q8> { typedef Q8Cols T; };
+template <> struct FewW<Q4> { typedef Q4Cols T; };
+template <typename W> __device__ __forceinline__ typename FewW<W>::T few_wload(WPtr row, int k) {
+    if constexpr (!is_q<W>) return ld_stream((const bf16 *)row.v + k);
+    else return load8<W>(row, k);
+}
+template <typename W> __device__ __forceinline__ uint4 few_w8(const typename FewW<W>::T &c) {
+    if constexpr (!is_q<W>) return c;
+    else {
+        QChunk q = {};                             /* wvals8's layout: the values in the first word(s) */
+        if constexpr (Fmt<W>::DT == DT_Q8) { q.a.x = c.v.x; q.a.y = c.v.y; }
+        else q.a.x = c.v;
+        float f[8];
+        wvals8<W>(q, 0, f);
+        const float sc = __half2float(__ushort_as_half(c.s));
+        return make_uint4(pack_bf16(f[0] * sc, f[1] * sc), pack_bf16(f[2] * sc, f[3] * sc),
+                          pack_bf16(f[4] * sc, f[5] * sc), pack_bf16(f[6] * sc, f[7] * sc));
+    }
+}
+
 /* one warp: acc[h] += rows (w0, w1) times tokens (x0, x1) of half h over chunks c0, c0 + cs, ... of K (K % 8 == 0).
  * Every pointer must be a real row: a row or token past the end is some other row whose results the caller drops
- * (an mma's outputs for row m / token n depend on that row / token alone). U chunks' loads are in flight at once. */
-template <typename X, int HALVES, int U>
-__device__ __forceinline__ void few_rows(float (&acc)[2][4], const bf16 *w0, const bf16 *w1, const X *x0, const X *x1,
+ * (an mma's outputs for row m / token n depend on that row / token alone). U chunks' loads are in flight at once.
+ * W: the rows' format (bf16, or q8 / q4 dequantized to bf16 on the way, see few_w8). */
+template <typename W, typename X, int HALVES, int U>
+__device__ __forceinline__ void few_rows(float (&acc)[2][4], WPtr w0, WPtr w1, const X *x0, const X *x1,
                                          int K, int c0, int cs, int lane) {
     const int kl = 8 * (lane & 3), nch = (K + 31) / 32;
     for (int c = c0; c < nch; c += U * cs) {
-        uint4 wa[U], wb[U], xv[U][2];
+        typename FewW<W>::T la[U], lb[U];
+        uint4 xv[U][2];
 #pragma unroll
         for (int u = 0; u < U; u++) {
             if (c + u * cs >= nch) break;                      /* the same for the whole warp */
             const int k = (c + u * cs) * 32 + kl, kk = min(k, K - 8);
-            wa[u] = ld_stream(w0 + kk);
-            wb[u] = ld_stream(w1 + kk);
+            la[u] = few_wload<W>(w0, kk);
+            lb[u] = few_wload<W>(w1, kk);
             xv[u][0] = few_x8(x0 + kk);
             if (HALVES == 2) xv[u][1] = few_x8(x1 + kk);
             if (k >= K) xv[u][0] = xv[u][1] = make_uint4(0, 0, 0, 0);   /* past K (K % 32 != 0): adds nothing */
@@ -2513,10 +2546,10 @@ __device__ __forceinline__ void few_rows(float (&acc)[2][4], const bf16 *w0, con
 #pragma unroll
         for (int u = 0; u < U; u++) {
             if (c + u * cs >= nch) break;
+            const uint4 wa = few_w8<W>(la[u]), wb = few_w8<W>(lb[u]);
 #pragma unroll
             for (int s = 0; s < 2; s++) {
-                const uint32_t a[4] = {s ? wa[u].z : wa[u].x, s ? wb[u].z : wb[u].x,
-                                       s ? wa[u].w : wa[u].y, s ? wb[u].w : wb[u].y};
+                const uint32_t a[4] = {s ? wa.z : wa.x, s ? wb.z : wb.x, s ? wa.w : wa.y, s ? wb.w : wb.y};
 #pragma unroll
                 for (int h = 0; h < HALVES; h++)
                     mma_bf16(acc[h], a, s ? xv[u][h].z : xv[u][h].x, s ? xv[u][h].w : xv[u][h].y);
@@ -2529,16 +2562,16 @@ __device__ __forceinline__ void few_rows(float (&acc)[2][4], const bf16 *w0, con
  * warps on 8 / KS tiles of 16 rows, KS warps splitting a tile's chunks (then summed through shared memory, in warp
  * order), so small matrices (o_proj: 128 tiles, the router: 16) still spread over the GPU. Measured at 16 tokens
  * (dev/few_lab, H200) it beats cuBLAS only on small matrices (the router), so gemm() sends it those (few_max). */
-template <typename X, int KS, int HALVES>
-__global__ void __launch_bounds__(256) gemm_few(float *y, int ldy, const bf16 *W, int out, int in, const X *x, int n,
+template <typename W, typename X, int KS, int HALVES>
+__global__ void __launch_bounds__(256) gemm_few(float *y, int ldy, WPtr w, int out, int in, const X *x, int n,
                                                 float beta) {
     __shared__ float part[8][8][32];                           /* [warp][acc value][lane] */
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int r0 = (blockIdx.x * (8 / KS) + warp / KS) * 16, ks = warp % KS;
     float acc[2][4] = {};
     if (r0 < out)
-        few_rows<X, HALVES, 4>(acc, W + (size_t)min(r0 + g, out - 1) * in, W + (size_t)min(r0 + g + 8, out - 1) * in,
-                               x + (size_t)min(g, n - 1) * in, x + (size_t)min(g + 8, n - 1) * in, in, ks, KS, lane);
+        few_rows<W, X, HALVES, 4>(acc, wrow<W>(w, min(r0 + g, out - 1), in), wrow<W>(w, min(r0 + g + 8, out - 1), in),
+                                  x + (size_t)min(g, n - 1) * in, x + (size_t)min(g + 8, n - 1) * in, in, ks, KS, lane);
     if (KS > 1) {
         if (ks)
 #pragma unroll
@@ -2598,8 +2631,8 @@ __global__ void __launch_bounds__(256) moe_gate_up_few(const bf16 *experts_gu, i
     const bf16 *x0 = x + (size_t)(toks ? toks[s0] : s0) * H, *x1 = x + (size_t)(toks ? toks[s1] : s1) * H;
     float acc[2][4] = {};
     const bf16 *wg = base + (size_t)j * H, *wu = base + (size_t)(hid + j) * H;
-    if (cnt > 8) few_rows<bf16, 2, 4>(acc, wg, wu, x0, x1, H, 0, 1, lane);
-    else few_rows<bf16, 1, 4>(acc, wg, wu, x0, x1, H, 0, 1, lane);
+    if (cnt > 8) few_rows<bf16, bf16, 2, 4>(acc, WPtr(wg), WPtr(wu), x0, x1, H, 0, 1, lane);
+    else few_rows<bf16, bf16, 1, 4>(acc, WPtr(wg), WPtr(wu), x0, x1, H, 0, 1, lane);
     if (j0 + g >= hid) return;
 #pragma unroll
     for (int h = 0; h < 2; h++)
@@ -2642,8 +2675,8 @@ __global__ void __launch_bounds__(256) moe_down_few(const bf16 *experts_down, in
     const int s0 = min(g, cnt - 1), s1 = min(g + 8, cnt - 1);
     const bf16 *w0 = base + (size_t)min(r0 + g, H - 1) * hid, *w1 = base + (size_t)min(r0 + g + 8, H - 1) * hid;
     float acc[2][4] = {};
-    if (cnt > 8) few_rows<bf16, 2, 4>(acc, w0, w1, xin + (size_t)s0 * hid, xin + (size_t)s1 * hid, hid, 0, 1, lane);
-    else few_rows<bf16, 1, 4>(acc, w0, w1, xin + (size_t)s0 * hid, xin, hid, 0, 1, lane);
+    if (cnt > 8) few_rows<bf16, bf16, 2, 4>(acc, WPtr(w0), WPtr(w1), xin + (size_t)s0 * hid, xin + (size_t)s1 * hid, hid, 0, 1, lane);
+    else few_rows<bf16, bf16, 1, 4>(acc, WPtr(w0), WPtr(w1), xin + (size_t)s0 * hid, xin, hid, 0, 1, lane);
 #pragma unroll
     for (int h = 0; h < 2; h++)
 #pragma unroll
@@ -3350,6 +3383,8 @@ struct GpuModel {
                                 and the warp kernels, a test and timing hook) */
     double few_max;          /* gemm_few for matrices of at most this many elements, cuBLAS above (LAGUNA_FEW_MAX: a timing
                                 hook) */
+    int few_q;               /* q8 / q4 matrices of 2..16-token forwards (bf16 files) by gemm_few, dequantized in
+                                registers (LAGUNA_NO_FEW_Q=1: dequantize + cuBLAS, a test and timing hook) */
     int split_cols;          /* o_proj by column slices over a cluster (LAGUNA_NO_SPLIT_COLS=1: the block-rows kernel) */
     int mv_loop;             /* whole-row matvecs by matvec_loop: -1 q8 / q4 (the default), 1 every format, 0 none
                                 (LAGUNA_MV_LOOP=1 / 0: a test and timing hook) */
@@ -3684,6 +3719,7 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
     g->down_warp = getenv("LAGUNA_DOWN_WARP") != NULL;     /* so the tests reach that path in bf16 / f32 */
     g->qwarp = getenv("LAGUNA_QWARP") != NULL;            /* so the tests reach those kernels */
     g->few = getenv("LAGUNA_NO_FEW") == NULL;
+    g->few_q = getenv("LAGUNA_NO_FEW_Q") == NULL;
     g->few_max = getenv("LAGUNA_FEW_MAX") ? atof(getenv("LAGUNA_FEW_MAX")) : 4194304.0;   /* 8 MB of bf16 */
     int D = c->head_dim, H = c->dim, KVD = c->kv_dim, T = max_tokens, E = c->n_experts, K = c->n_experts_active;
     /* formats: the matmul weights all quantized alike (q8 or q4) or none of them; the embedding (and with it a tied
@@ -3932,18 +3968,26 @@ static int few_ok(const GpuModel *g, int n, int wdt) {
 /* gemm_few only for matrices of up to few_max elements: at 16 tokens on the H200 (dev/few_lab) it beat cuBLAS on the
  * router (256 x 2048: 6.1 against 10.5 us) and lost on the big ones (q/k/v/g 19.7 against 15.4, o_proj 22.8 / 15.0,
  * lm_head 124 / 105), whose many tiles cuBLAS keeps streaming; the experts' few-token kernels win at every size */
-static void gemm_few_launch(GpuModel *g, float *y, int ldy, const bf16 *W, int out, int in, const void *x, int x_bf16,
-                            int n, float beta);
+static void gemm_few_launch(GpuModel *g, float *y, int ldy, int wdt, const void *W, int out, int in, const void *x,
+                            int x_bf16, int n, float beta);
 
 /* y[n, out] = beta * y + x[n, in] . W[out, in]^T  (cuBLAS; bf16 weights take a bf16 copy of x; n <= 16 tokens through
- * a bf16 matrix of at most few_max elements: gemm_few). A q8 / q4 W (wdt) is dequantized first, to bf16 (bf16 files)
- * or f32 (files from f32 checkpoints). */
+ * a bf16 matrix of at most few_max elements: gemm_few). A q8 / q4 W (wdt): n <= 16 tokens of a bf16 file through
+ * gemm_few at every size, the weights dequantized in registers; otherwise dequantized first, to bf16 (bf16 files) or
+ * f32 (files from f32 checkpoints), then cuBLAS. */
 static void gemm(GpuModel *g, float *y, int ldy, const void *W, int out, int in, const float *x, int n, float beta,
                  int wdt = -1, int x_in_act16 = 0) {
     const float one = 1.0f;
     const void *xin = g->bf && x_in_act16 ? g->act16 : x;   /* x_in_act16: norm_rows left x in act16 already */
     if (few_ok(g, n, wdt) && in % 8 == 0 && (double)out * in <= g->few_max) {   /* gemm_few, x as it is (bf16 or f32) */
-        gemm_few_launch(g, y, ldy, (const bf16 *)W, out, in, xin, x_in_act16, n, beta);
+        gemm_few_launch(g, y, ldy, DT_BF16, W, out, in, xin, x_in_act16, n, beta);
+        return;
+    }
+    /* a q8 / q4 matrix through gemm_few, dequantized in registers: the cuBLAS path below reads the quantized bytes,
+     * writes twice as many in bf16 and reads those again. A 16-token verification at XS-2.1 (H200): q8 16.6 -> 15.2
+     * ms, q4 21.7 -> 19.7 (dev/gpu_notes.md, round 23) */
+    if (g->few_q && g->few && g->bf && n <= 16 && is_quant(wdt) && in % 8 == 0) {
+        gemm_few_launch(g, y, ldy, wdt, W, out, in, xin, x_in_act16, n, beta);
         return;
     }
     if (is_quant(wdt)) {
@@ -4043,15 +4087,20 @@ static void launch(GpuModel *g, void (*kernel)(P...), dim3 grid, dim3 block, siz
 }
 
 /* gemm_few over out / 16 tiles: the fewest warps a tile (KS) that still give every SM two blocks */
-static void gemm_few_launch(GpuModel *g, float *y, int ldy, const bf16 *W, int out, int in, const void *x, int x_bf16,
-                            int n, float beta) {
+static void gemm_few_launch(GpuModel *g, float *y, int ldy, int wdt, const void *W, int out, int in, const void *x,
+                            int x_bf16, int n, float beta) {
     int tiles = (out + 15) / 16, ks = 1;
     while (ks < 8 && (tiles * ks + 7) / 8 < 2 * g->nsm) ks *= 2;
     dim3 grid((tiles * ks + 7) / 8);
-#define FEW(X, KS) do { if (n > 8) gemm_few<X, KS, 2><<<grid, 256, 0, g->stream>>>(y, ldy, W, out, in, (const X *)x, n, beta); \
-                        else gemm_few<X, KS, 1><<<grid, 256, 0, g->stream>>>(y, ldy, W, out, in, (const X *)x, n, beta); } while (0)
-#define FEW_KS(X) switch (ks) { case 1: FEW(X, 1); break; case 2: FEW(X, 2); break; case 4: FEW(X, 4); break; default: FEW(X, 8); }
-    if (x_bf16) FEW_KS(bf16) else FEW_KS(float)
+    const WPtr w = wmat(wdt, W, out, in);
+#define FEW(WF, X, KS) do { if (n > 8) gemm_few<WF, X, KS, 2><<<grid, 256, 0, g->stream>>>(y, ldy, w, out, in, (const X *)x, n, beta); \
+                            else gemm_few<WF, X, KS, 1><<<grid, 256, 0, g->stream>>>(y, ldy, w, out, in, (const X *)x, n, beta); } while (0)
+#define FEW_KS(WF, X) switch (ks) { case 1: FEW(WF, X, 1); break; case 2: FEW(WF, X, 2); break; case 4: FEW(WF, X, 4); break; default: FEW(WF, X, 8); }
+#define FEW_X(WF) do { if (x_bf16) FEW_KS(WF, bf16) else FEW_KS(WF, float) } while (0)
+    if (wdt == DT_Q8) FEW_X(Q8);
+    else if (wdt == DT_Q4) FEW_X(Q4);
+    else FEW_X(bf16);
+#undef FEW_X
 #undef FEW_KS
 #undef FEW
     LAUNCH_CHECK();

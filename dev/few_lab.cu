@@ -60,7 +60,7 @@ static void gemm_case(GpuModel *g, cublasHandle_t blas, int out, int in, int n, 
     bf16 *dxb = up(xb);
     float *dxf = up(xf), *dy = up(y0);
     const void *x = xf32 ? (const void *)dxf : (const void *)dxb;
-    gemm_few_launch(g, dy, out, dw, out, in, x, !xf32, n, beta);
+    gemm_few_launch(g, dy, out, DT_BF16, dw, out, in, x, !xf32, n, beta);
     CUDA_CHECK(cudaDeviceSynchronize());
     std::vector<float> y((size_t)n * out);
     CUDA_CHECK(cudaMemcpy(y.data(), dy, y.size() * 4, cudaMemcpyDeviceToHost));
@@ -78,7 +78,7 @@ static void gemm_case(GpuModel *g, cublasHandle_t blas, int out, int in, int n, 
     check(what, err / scale, 1e-5);
     if (timed) {
         const float one = 1.0f, zero = 0.0f;
-        float t_few = time_ms([&](int i) { gemm_few_launch(g, dy, out, dw + wn * (i % copies), out, in, x, !xf32, n, 0.0f); }, 50);
+        float t_few = time_ms([&](int i) { gemm_few_launch(g, dy, out, DT_BF16, dw + wn * (i % copies), out, in, x, !xf32, n, 0.0f); }, 50);
         float t_blas = time_ms([&](int i) {
             CUBLAS_CHECK(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, out, n, in, &one, dw + wn * (i % copies), CUDA_R_16BF, in,
                                       dxb, CUDA_R_16BF, in, &zero, dy, CUDA_R_32F, out, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
@@ -87,6 +87,78 @@ static void gemm_case(GpuModel *g, cublasHandle_t blas, int out, int in, int n, 
                1e3 * t_blas, wn * 2 / (1e6 * t_blas));
     }
     CUDA_CHECK(cudaFree(dw)); CUDA_CHECK(cudaFree(dxb)); CUDA_CHECK(cudaFree(dxf)); CUDA_CHECK(cudaFree(dy));
+}
+
+/* gemm_few on a q8 / q4 matrix (values and fp16 scales planar, rows padded to whole groups of 32, as in the file):
+ * each weight dequantized (value * scale, rounded to bf16) in registers. Checked against the CPU on those bf16
+ * weights; timed against what gemm() does otherwise: dequant_kernel to a bf16 matrix, then cuBLAS. GB/s = the
+ * quantized bytes / time. */
+static void gemm_q_case(GpuModel *g, cublasHandle_t blas, int dt, int out, int in, int n, int xf32, float beta, int timed) {
+    const int groups = (in + 31) / 32, gb = dt == DT_Q8 ? 32 : 16;
+    const size_t vb = (size_t)out * groups * gb, qbytes = vb + (size_t)out * groups * 2;
+    int copies = timed ? (int)std::min<size_t>(64, std::max<size_t>(1, (256ull << 20) / qbytes + 1)) : 1;
+    std::vector<uint8_t> q(qbytes, 0);
+    std::vector<float> wd((size_t)out * in);                 /* the dequantized weights the kernel must use */
+    uint16_t *scales = (uint16_t *)(q.data() + vb);
+    for (int r = 0; r < out; r++)
+        for (int gi = 0; gi < groups; gi++) {
+            __half h = __float2half(0.002f + 0.01f * (urand() + 1.0f));
+            memcpy(&scales[(size_t)r * groups + gi], &h, 2);
+            const float sc = __half2float(h);
+            for (int i = 0; i < 32 && gi * 32 + i < in; i++) {
+                const int k = gi * 32 + i;
+                int v = dt == DT_Q8 ? (int)lrintf(127.0f * urand()) : (int)lrintf(7.5f * urand() + 7.5f) - 8;
+                uint8_t *row = q.data() + (size_t)r * groups * gb;
+                if (dt == DT_Q8) row[k] = (uint8_t)(int8_t)v;
+                else row[k / 2] |= (uint8_t)((v + 8) << (4 * (k & 1)));
+                wd[(size_t)r * in + k] = bf2f(__float2bfloat16((float)v * sc));
+            }
+        }
+    std::vector<bf16> xb = rand_bf((size_t)n * in, 1.0f);
+    std::vector<float> xf((size_t)n * in), y0((size_t)n * out);
+    for (size_t i = 0; i < xf.size(); i++) xf[i] = xf32 ? urand() : bf2f(xb[i]);
+    for (auto &v : y0) v = urand();
+    uint8_t *dq;
+    CUDA_CHECK(cudaMalloc(&dq, qbytes * copies));
+    for (int c = 0; c < copies; c++) CUDA_CHECK(cudaMemcpy(dq + qbytes * c, q.data(), qbytes, cudaMemcpyHostToDevice));
+    bf16 *dxb = up(xb);
+    float *dxf = up(xf), *dy = up(y0);
+    const void *x = xf32 ? (const void *)dxf : (const void *)dxb;
+    gemm_few_launch(g, dy, out, dt, dq, out, in, x, !xf32, n, beta);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<float> y((size_t)n * out);
+    CUDA_CHECK(cudaMemcpy(y.data(), dy, y.size() * 4, cudaMemcpyDeviceToHost));
+    double err = 0, scale = 0;
+    for (int t = 0; t < n; t++)
+        for (int r = 0; r < out; r++) {
+            double s = 0;
+            for (int k = 0; k < in; k++) s += (double)wd[(size_t)r * in + k] * bf2f(__float2bfloat16(xf[(size_t)t * in + k]));
+            s += beta * y0[(size_t)t * out + r];
+            err = std::max(err, fabs(s - y[(size_t)t * out + r]));
+            scale = std::max(scale, fabs(s));
+        }
+    char what[96];
+    snprintf(what, sizeof what, "%s %6d x %5d, %2d tokens, x %s, beta %g", dt == DT_Q8 ? "q8" : "q4", out, in, n,
+             xf32 ? "f32" : "bf16", beta);
+    check(what, err / scale, 1e-5);
+    if (timed) {
+        const float one = 1.0f, zero = 0.0f;
+        bf16 *dw;
+        CUDA_CHECK(cudaMalloc(&dw, (size_t)out * in * 2));
+        float t_few = time_ms([&](int i) { gemm_few_launch(g, dy, out, dt, dq + qbytes * (i % copies), out, in, x, !xf32, n, 0.0f); }, 50);
+        float t_blas = time_ms([&](int i) {
+            const WPtr m = wmat(dt, dq + qbytes * (i % copies), out, in);
+            size_t chunks = (size_t)out * ((in + 31) / 32) * (dt == DT_Q8 ? 2 : 1);
+            if (dt == DT_Q8) dequant_kernel<Q8, bf16><<<grid_for(chunks, 256), 256>>>(dw, m, in, out, 0, NULL, NULL);
+            else dequant_kernel<Q4, bf16><<<grid_for(chunks, 256), 256>>>(dw, m, in, out, 0, NULL, NULL);
+            CUBLAS_CHECK(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, out, n, in, &one, dw, CUDA_R_16BF, in,
+                                      dxb, CUDA_R_16BF, in, &zero, dy, CUDA_R_32F, out, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+        }, 50);
+        printf("    gemm_few %7.2f us (%6.0f GB/s)   dequantize + cuBLAS %7.2f us (%6.0f GB/s)\n", 1e3 * t_few,
+               qbytes / (1e6 * t_few), 1e3 * t_blas, qbytes / (1e6 * t_blas));
+        CUDA_CHECK(cudaFree(dw));
+    }
+    CUDA_CHECK(cudaFree(dq)); CUDA_CHECK(cudaFree(dxb)); CUDA_CHECK(cudaFree(dxf)); CUDA_CHECK(cudaFree(dy));
 }
 
 /* the experts of n tokens (top-K of E, uniform routing): moe_gate_up_few + moe_down_few against the CPU, timed
@@ -208,6 +280,13 @@ int main() {
     printf("odd shapes:\n");
     int shapes[][3] = {{37, 72, 2}, {40, 40, 5}, {16, 8, 8}, {100, 264, 9}, {1000, 200, 16}, {24, 2056, 13}, {7, 96, 3}};
     for (auto &s : shapes) { gemm_case(&g, blas, s[0], s[1], s[2], 0, 0.0f, 0); gemm_case(&g, blas, s[0], s[1], s[2], 1, 1.0f, 0); }
+    printf("gemm_few on q8 / q4 matrices (dequantized in registers), 16 tokens:\n");
+    for (int dt : {DT_Q8, DT_Q4}) {
+        gemm_q_case(&g, blas, dt, 10304, 2048, 16, 0, 0.0f, 1);
+        gemm_q_case(&g, blas, dt, 2048, 8192, 16, 1, 1.0f, 1);
+        gemm_q_case(&g, blas, dt, 100352, 2048, 16, 0, 0.0f, 1);
+        for (auto &s : shapes) gemm_q_case(&g, blas, dt, s[0], s[1], s[2], s[2] & 1, s[2] & 1 ? 1.0f : 0.0f, 0);
+    }
     printf("experts:\n");
     moe_case(256, 8, 2048, 512, 512, 16, 1);
     moe_case(256, 8, 2048, 512, 512, 5, 1);

@@ -599,6 +599,27 @@ def test_gpu_few_token_kernels(laguna_gpu, mid_model, exported, tmp_path):
         assert d <= 0.1 and dc <= 2 * dc_old + 0.05
 
 
+@pytest.mark.parametrize("dtype", ["q8", "q4"])
+def test_gpu_quant_few_token_gemm(laguna_gpu, exported, dtype, tmp_path):
+    """Forwards of 2..16 tokens (verification) send q8 / q4 matrices to gemm_few, dequantized in registers;
+    LAGUNA_NO_FEW_Q=1 sends them to dequant_kernel's bf16 copy + cuBLAS instead. Both multiply the same bf16 weights and
+    bf16 inputs with fp32 sums (dev/few_lab checks the kernel's math), so only the order of the sums differs: the
+    median row of the two paths must be close, and the distance from the CPU (--kv bf16) no worse, in chunks of 16
+    (two halves of 8 tokens) and 7 (one half) on the bf16 fixture quantized."""
+    m, fids = exported("xs21_bf16", "--dtype", dtype), fx("xs21_bf16", "score.txt")
+    cpu, _ = score(laguna_gpu, m, fids, tmp_path, "--cpu", "--kv", "bf16")
+    off = dict(os.environ, LAGUNA_NO_FEW_Q="1")
+    for chunk in ("16", "7"):
+        few, _ = score(laguna_gpu, m, fids, tmp_path, "--chunk", chunk)
+        old, _ = score(laguna_gpu, m, fids, tmp_path, "--chunk", chunk, env=off)
+        d = float(np.median(np.abs(few - old).max(1)))
+        dc, dc_old = (float(np.median(np.abs(v - cpu).max(1))) for v in (few, old))
+        print(f"\n[gpu quant] xs21_bf16 {dtype}, chunks of {chunk}: gemm_few vs dequantize + cuBLAS median row max "
+              f"|diff| {d:.3g}; median row max |diff| from the CPU --kv bf16 {dc:.3g} (cuBLAS path {dc_old:.3g})", end="")
+        assert d <= 0.1 and dc <= 2 * dc_old + 0.05
+    print()
+
+
 # ---------------------------------------------------------------------------------------------
 # --kv fp8 (an OCP e4m3 KV cache, scale 1: half of bf16). The GPU rounds each K/V element to e4m3 as the CPU does with
 # --kv fp8 (test_kv_fp8.py); on the f32 fixtures the decode kernel and the scalar kernel do fp32 math over the fp8
