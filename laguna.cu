@@ -2594,18 +2594,21 @@ __global__ void __launch_bounds__(256) gemm_few(float *y, int ldy, WPtr w, int o
         }
 }
 
-/* the experts' gate/up for a few tokens, bf16: act = silu(x . gate_j) * (x . up_j) in bf16, for every pair of each
- * active expert (sorted pair order: act[first + i]) and every token through the always-on matrix (act_s). A warp owns
- * 8 hidden units j0 .. j0 + 7: its 16 mma rows are their gate rows (g) and up rows (g + 8), so lane (g, t) ends with
- * gate and up of unit j0 + g for its tokens and applies the SwiGLU itself. A block: 64 units of one expert. An
- * expert has at most n <= 16 pairs (a token picks an expert once). */
-__global__ void __launch_bounds__(256) moe_gate_up_few(const bf16 *experts_gu, int I, const bf16 *always_gu, int S,
-                                                      int H, const bf16 *x, int n, const int *start,
-                                                      const int *pair_tok, const int *active, const int *n_active,
-                                                      int max_active, bf16 *act, bf16 *act_s) {
+/* the experts' gate/up for a few tokens (W: bf16, or q8 / q4 dequantized in registers, see few_w8): act =
+ * silu(x . gate_j) * (x . up_j) in bf16, for every pair of each active expert (sorted pair order: act[first + i]) and
+ * every token through the always-on matrix (act_s). A warp owns 8 hidden units j0 .. j0 + 7: its 16 mma rows are
+ * their gate rows (g) and up rows (g + 8), so lane (g, t) ends with gate and up of unit j0 + g for its tokens and
+ * applies the SwiGLU itself. A block: 64 units of one expert. An expert has at most n <= 16 pairs (a token picks an
+ * expert once). */
+template <typename W>
+__global__ void __launch_bounds__(256) moe_gate_up_few(WPtr experts_gu, int I, WPtr always_gu, int S, int H,
+                                                      const bf16 *x, int n, const int *start, const int *pair_tok,
+                                                      const int *active, const int *n_active, int max_active,
+                                                      bf16 *act, bf16 *act_s) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, nb = (I + 63) / 64;
     int b = blockIdx.x, j0, hid, cnt;
-    const bf16 *base;
+    WPtr base;                                                 /* the matrix; row0: its first row there */
+    size_t row0 = 0;
     const int *toks = NULL;
     bf16 *out;
     if (b < max_active * nb) {
@@ -2614,7 +2617,8 @@ __global__ void __launch_bounds__(256) moe_gate_up_few(const bf16 *experts_gu, i
         const int e = active[a], first = start[e];
         j0 = (b % nb) * 64 + warp * 8;
         hid = I;
-        base = experts_gu + (size_t)e * 2 * I * H;
+        base = experts_gu;
+        row0 = (size_t)e * 2 * I;
         cnt = start[e + 1] - first;
         toks = pair_tok + first;
         out = act + (size_t)first * I;
@@ -2630,9 +2634,9 @@ __global__ void __launch_bounds__(256) moe_gate_up_few(const bf16 *experts_gu, i
     const int s0 = min(g, cnt - 1), s1 = min(g + 8, cnt - 1);  /* the lane's two token slots */
     const bf16 *x0 = x + (size_t)(toks ? toks[s0] : s0) * H, *x1 = x + (size_t)(toks ? toks[s1] : s1) * H;
     float acc[2][4] = {};
-    const bf16 *wg = base + (size_t)j * H, *wu = base + (size_t)(hid + j) * H;
-    if (cnt > 8) few_rows<bf16, bf16, 2, 4>(acc, WPtr(wg), WPtr(wu), x0, x1, H, 0, 1, lane);
-    else few_rows<bf16, bf16, 1, 4>(acc, WPtr(wg), WPtr(wu), x0, x1, H, 0, 1, lane);
+    const WPtr wg = wrow<W>(base, row0 + j, H), wu = wrow<W>(base, row0 + hid + j, H);
+    if (cnt > 8) few_rows<W, bf16, 2, 4>(acc, wg, wu, x0, x1, H, 0, 1, lane);
+    else few_rows<W, bf16, 1, 4>(acc, wg, wu, x0, x1, H, 0, 1, lane);
     if (j0 + g >= hid) return;
 #pragma unroll
     for (int h = 0; h < 2; h++)
@@ -2643,15 +2647,18 @@ __global__ void __launch_bounds__(256) moe_gate_up_few(const bf16 *experts_gu, i
         }
 }
 
-/* the experts' down projections for a few tokens, bf16: y_pair[first + i] = down_e . act[first + i] for each pair,
- * ys[t] = always_down . act_s[t]. A warp owns 16 rows of H, a block 128 rows of one expert. */
-__global__ void __launch_bounds__(256) moe_down_few(const bf16 *experts_down, int I, const bf16 *always_down, int S,
-                                                   int H, int n, const int *start, const int *active,
-                                                   const int *n_active, int max_active, const bf16 *act,
-                                                   const bf16 *act_s, float *y_pair, float *ys) {
+/* the experts' down projections for a few tokens (W as in moe_gate_up_few): y_pair[first + i] = down_e . act[first +
+ * i] for each pair, ys[t] = always_down . act_s[t]. A warp owns 16 rows of H, a block 128 rows of one expert. */
+template <typename W>
+__global__ void __launch_bounds__(256) moe_down_few(WPtr experts_down, int I, WPtr always_down, int S, int H, int n,
+                                                   const int *start, const int *active, const int *n_active,
+                                                   int max_active, const bf16 *act, const bf16 *act_s, float *y_pair,
+                                                   float *ys) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, nb = (H + 127) / 128;
     int b = blockIdx.x, r0, hid, cnt;
-    const bf16 *base, *xin;
+    WPtr base;                                                 /* the matrix; row0: its first row there */
+    size_t row0 = 0;
+    const bf16 *xin;
     float *out;
     if (b < max_active * nb) {
         const int a = b / nb;
@@ -2659,7 +2666,8 @@ __global__ void __launch_bounds__(256) moe_down_few(const bf16 *experts_down, in
         const int e = active[a], first = start[e];
         r0 = (b % nb) * 128 + warp * 16;
         hid = I;
-        base = experts_down + (size_t)e * H * I;
+        base = experts_down;
+        row0 = (size_t)e * H;
         cnt = start[e + 1] - first;
         xin = act + (size_t)first * I;
         out = y_pair + (size_t)first * H;
@@ -2673,10 +2681,10 @@ __global__ void __launch_bounds__(256) moe_down_few(const bf16 *experts_down, in
     }
     if (r0 >= H) return;
     const int s0 = min(g, cnt - 1), s1 = min(g + 8, cnt - 1);
-    const bf16 *w0 = base + (size_t)min(r0 + g, H - 1) * hid, *w1 = base + (size_t)min(r0 + g + 8, H - 1) * hid;
+    const WPtr w0 = wrow<W>(base, row0 + min(r0 + g, H - 1), hid), w1 = wrow<W>(base, row0 + min(r0 + g + 8, H - 1), hid);
     float acc[2][4] = {};
-    if (cnt > 8) few_rows<bf16, bf16, 2, 4>(acc, WPtr(w0), WPtr(w1), xin + (size_t)s0 * hid, xin + (size_t)s1 * hid, hid, 0, 1, lane);
-    else few_rows<bf16, bf16, 1, 4>(acc, WPtr(w0), WPtr(w1), xin + (size_t)s0 * hid, xin, hid, 0, 1, lane);
+    if (cnt > 8) few_rows<W, bf16, 2, 4>(acc, w0, w1, xin + (size_t)s0 * hid, xin + (size_t)s1 * hid, hid, 0, 1, lane);
+    else few_rows<W, bf16, 1, 4>(acc, w0, w1, xin + (size_t)s0 * hid, xin, hid, 0, 1, lane);
 #pragma unroll
     for (int h = 0; h < 2; h++)
 #pragma unroll
@@ -3383,8 +3391,9 @@ struct GpuModel {
                                 and the warp kernels, a test and timing hook) */
     double few_max;          /* gemm_few for matrices of at most this many elements, cuBLAS above (LAGUNA_FEW_MAX: a timing
                                 hook) */
-    int few_q;               /* q8 / q4 matrices of 2..16-token forwards (bf16 files) by gemm_few, dequantized in
-                                registers (LAGUNA_NO_FEW_Q=1: dequantize + cuBLAS, a test and timing hook) */
+    int few_q;               /* q8 / q4 matrices and experts of 2..16-token forwards (bf16-based files) by gemm_few and
+                                moe_*_few, dequantized in registers (LAGUNA_NO_FEW_Q=1: dequantize + cuBLAS and the
+                                warp kernels, a test and timing hook) */
     int split_cols;          /* o_proj by column slices over a cluster (LAGUNA_NO_SPLIT_COLS=1: the block-rows kernel) */
     int mv_loop;             /* whole-row matvecs by matvec_loop: -1 q8 / q4 (the default), 1 every format, 0 none
                                 (LAGUNA_MV_LOOP=1 / 0: a test and timing hook) */
@@ -3965,6 +3974,10 @@ static void dequantize(GpuModel *g, int dt, const void *w, size_t total_rows, in
 static int few_ok(const GpuModel *g, int n, int wdt) {
     return g->few && g->bf && n <= 16 && (wdt == -1 || wdt == DT_BF16);
 }
+/* the same kernels for a q8 / q4 matrix of a bf16-based file, dequantized in registers (few_w8) */
+static int few_q_ok(const GpuModel *g, int n, int wdt) {
+    return g->few_q && g->few && g->bf && n <= 16 && is_quant(wdt);
+}
 /* gemm_few only for matrices of up to few_max elements: at 16 tokens on the H200 (dev/few_lab) it beat cuBLAS on the
  * router (256 x 2048: 6.1 against 10.5 us) and lost on the big ones (q/k/v/g 19.7 against 15.4, o_proj 22.8 / 15.0,
  * lm_head 124 / 105), whose many tiles cuBLAS keeps streaming; the experts' few-token kernels win at every size */
@@ -3985,8 +3998,8 @@ static void gemm(GpuModel *g, float *y, int ldy, const void *W, int out, int in,
     }
     /* a q8 / q4 matrix through gemm_few, dequantized in registers: the cuBLAS path below reads the quantized bytes,
      * writes twice as many in bf16 and reads those again. A 16-token verification at XS-2.1 (H200): q8 16.6 -> 15.2
-     * ms, q4 21.7 -> 19.7 (dev/gpu_notes.md, round 23) */
-    if (g->few_q && g->few && g->bf && n <= 16 && is_quant(wdt) && in % 8 == 0) {
+     * ms, q4 21.7 -> 19.7; with the experts by moe_*_few too 11.9 / 12.3 (dev/gpu_notes.md, round 23) */
+    if (few_q_ok(g, n, wdt) && in % 8 == 0) {
         gemm_few_launch(g, y, ldy, wdt, W, out, in, xin, x_in_act16, n, beta);
         return;
     }
@@ -4363,17 +4376,18 @@ static void moe_many(GpuModel *g, int l, int n) {
     }
     prof_mark(g, "router");
     int max_active = P < E ? P : E;
-    if (few_ok(g, n, DT) && H % 8 == 0 && I % 8 == 0 && S % 8 == 0) {
-        /* a few tokens, bf16 (verification): the active experts' rows read once, the tokens on tensor cores */
+    if ((few_ok(g, n, DT) || few_q_ok(g, n, DT)) && H % 8 == 0 && I % 8 == 0 && S % 8 == 0) {
+        /* a few tokens of a bf16-based file (verification): the active experts' rows read once (q8 / q4 dequantized
+         * in registers), the tokens on tensor cores */
         bf16 *act_s = g->act_few + (size_t)n * K * I;
-        moe_gate_up_few<<<max_active * ((I + 63) / 64) + (S + 63) / 64, 256, 0, g->stream>>>(
-            (const bf16 *)L->experts_gate_up, I, (const bf16 *)L->gate_up, S, H, (const bf16 *)g->act16, n, g->start,
-            g->pair_tok, g->active, g->n_active, max_active, g->act_few, act_s);
+        moe_gate_up_few<W><<<max_active * ((I + 63) / 64) + (S + 63) / 64, 256, 0, g->stream>>>(
+            wmat(DT, L->experts_gate_up, (size_t)E * 2 * I, H), I, wmat(DT, L->gate_up, 2 * (size_t)S, H), S, H,
+            (const bf16 *)g->act16, n, g->start, g->pair_tok, g->active, g->n_active, max_active, g->act_few, act_s);
         LAUNCH_CHECK();
         prof_mark(g, "experts gate/up");
-        moe_down_few<<<(max_active + 1) * ((H + 127) / 128), 256, 0, g->stream>>>(
-            (const bf16 *)L->experts_down, I, (const bf16 *)L->down, S, H, n, g->start, g->active, g->n_active,
-            max_active, g->act_few, act_s, g->y_pair, g->ys);
+        moe_down_few<W><<<(max_active + 1) * ((H + 127) / 128), 256, 0, g->stream>>>(
+            wmat(DT, L->experts_down, (size_t)E * H, I), I, wmat(DT, L->down, H, S), S, H, n, g->start, g->active,
+            g->n_active, max_active, g->act_few, act_s, g->y_pair, g->ys);
         LAUNCH_CHECK();
         prof_mark(g, "experts down");
     } else if (P <= 512) {

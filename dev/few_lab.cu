@@ -1,7 +1,8 @@
 /* dev/few_lab.cu -- kernel lab for the few-token tensor-core kernels (make dev/few_lab && ./dev/few_lab).
  *
- * gemm_few (y = W x for 2..16 tokens, bf16 W, x in bf16 or f32) and the experts' moe_gate_up_few / moe_down_few on
- * random data, checked against a CPU double-precision reference on the same bf16-rounded inputs, and timed against
+ * gemm_few (y = W x for 2..16 tokens, bf16 / q8 / q4 W, x in bf16 or f32) and the experts' moe_gate_up_few /
+ * moe_down_few (bf16 / q8 / q4) on random data, checked against a CPU double-precision reference on the same
+ * bf16-rounded inputs (q8 / q4: the bf16 values of value * scale, what the kernels make in registers), and timed against
  * cuBLAS (what n > 1 GEMMs used before) and the warp-per-row expert kernels (moe_gate_up / moe_down). Shapes: the
  * XS-2.1 verification's (q/k/v/g 10304 x 2048, o_proj 2048 x 8192, the router 256 x 2048, lm_head 100352 x 2048; 16
  * tokens top-8 of 256 experts, I 512, shared 512) and odd small ones (rows not a multiple of 16, K not a multiple
@@ -161,8 +162,46 @@ static void gemm_q_case(GpuModel *g, cublasHandle_t blas, int dt, int out, int i
     CUDA_CHECK(cudaFree(dq)); CUDA_CHECK(cudaFree(dxb)); CUDA_CHECK(cudaFree(dxf)); CUDA_CHECK(cudaFree(dy));
 }
 
-/* the experts of n tokens (top-K of E, uniform routing): moe_gate_up_few + moe_down_few against the CPU, timed
- * against moe_gate_up + moe_down (the warp-per-row kernels, f32 activations) */
+/* a random matrix of `rows` x `in` in format W on the device, and on the host the bf16 values the kernels must use
+ * (q8 / q4: value * scale rounded to bf16, as dequant_kernel writes them), weights of magnitude up to about a */
+template <typename W> struct LabMat { std::vector<bf16> ref; void *d; WPtr w; double bytes; };
+template <typename W> static LabMat<W> lab_mat(int rows, int in, float a) {
+    LabMat<W> m;
+    if constexpr (!is_q<W>) {
+        m.ref = rand_bf((size_t)rows * in, a);
+        m.d = up(m.ref);
+        m.w = WPtr(m.d);
+        m.bytes = (double)rows * in * 2;
+    } else {
+        const int dt = Fmt<W>::DT, groups = (in + 31) / 32, gb = Fmt<W>::GB;
+        const size_t vb = (size_t)rows * groups * gb;
+        std::vector<uint8_t> q(vb + (size_t)rows * groups * 2, 0);
+        uint16_t *scales = (uint16_t *)(q.data() + vb);
+        m.ref.resize((size_t)rows * in);
+        for (int r = 0; r < rows; r++)
+            for (int gi = 0; gi < groups; gi++) {
+                __half h = __float2half(a * (0.5f + 0.25f * (urand() + 1.0f)) / (dt == DT_Q8 ? 127.0f : 8.0f));
+                memcpy(&scales[(size_t)r * groups + gi], &h, 2);
+                const float sc = __half2float(h);
+                uint8_t *row = q.data() + (size_t)r * groups * gb;
+                for (int i = 0; i < 32 && gi * 32 + i < in; i++) {
+                    const int k = gi * 32 + i;
+                    int v = dt == DT_Q8 ? (int)lrintf(127.0f * urand()) : (int)lrintf(7.5f * urand() + 7.5f) - 8;
+                    if (dt == DT_Q8) row[k] = (uint8_t)(int8_t)v;
+                    else row[k / 2] |= (uint8_t)((v + 8) << (4 * (k & 1)));
+                    m.ref[(size_t)r * in + k] = __float2bfloat16((float)v * sc);
+                }
+            }
+        m.d = up(q);
+        m.w = wmat(dt, m.d, rows, in);
+        m.bytes = (double)q.size();
+    }
+    return m;
+}
+
+/* the experts of n tokens (top-K of E, uniform routing; W: the experts' format): moe_gate_up_few + moe_down_few
+ * against the CPU, timed against moe_gate_up + moe_down (the warp-per-row kernels, f32 activations) */
+template <typename W>
 static void moe_case(int E, int K, int H, int I, int S, int n, int timed) {
     std::vector<int> topk(n * K);
     for (int t = 0; t < n; t++)
@@ -177,11 +216,13 @@ static void moe_case(int E, int K, int H, int I, int S, int n, int timed) {
     for (int e = 0; e < E; e++)
         for (int p = 0; p < n * K; p++) if (topk[p] == e) pair_tok.push_back(p / K);
     int na = (int)active.size(), P = n * K, max_active = std::min(P, E);
-    std::vector<bf16> egu = rand_bf((size_t)E * 2 * I * H, 0.05f), edn = rand_bf((size_t)E * H * I, 0.05f),
-                      sgu = rand_bf((size_t)2 * S * H, 0.05f), sdn = rand_bf((size_t)H * S, 0.05f), x = rand_bf((size_t)n * H, 1.0f);
+    LabMat<W> mgu = lab_mat<W>(E * 2 * I, H, 0.05f), mdn = lab_mat<W>(E * H, I, 0.05f),
+              msgu = lab_mat<W>(2 * S, H, 0.05f), msdn = lab_mat<W>(H, S, 0.05f);
+    const std::vector<bf16> &egu = mgu.ref, &edn = mdn.ref, &sgu = msgu.ref, &sdn = msdn.ref;
+    std::vector<bf16> x = rand_bf((size_t)n * H, 1.0f);
     std::vector<float> xf((size_t)n * H);
     for (size_t i = 0; i < xf.size(); i++) xf[i] = bf2f(x[i]);
-    bf16 *d_egu = up(egu), *d_edn = up(edn), *d_sgu = up(sgu), *d_sdn = up(sdn), *d_x = up(x);
+    bf16 *d_x = up(x);
     float *d_xf = up(xf);
     std::vector<int> na_v(1, na);
     int *d_start = up(start), *d_active = up(active), *d_tok = up(pair_tok), *d_na = up(na_v);
@@ -194,9 +235,9 @@ static void moe_case(int E, int K, int H, int I, int S, int n, int timed) {
     CUDA_CHECK(cudaMalloc(&d_hs, (size_t)n * S * 4));
     bf16 *d_acts = d_act + (size_t)P * I;
     auto run_few = [&]() {
-        moe_gate_up_few<<<max_active * ((I + 63) / 64) + (S + 63) / 64, 256>>>(d_egu, I, d_sgu, S, H, d_x, n, d_start, d_tok,
-            d_active, d_na, max_active, d_act, d_acts);
-        moe_down_few<<<(max_active + 1) * ((H + 127) / 128), 256>>>(d_edn, I, d_sdn, S, H, n, d_start, d_active, d_na,
+        moe_gate_up_few<W><<<max_active * ((I + 63) / 64) + (S + 63) / 64, 256>>>(mgu.w, I, msgu.w, S, H, d_x, n, d_start,
+            d_tok, d_active, d_na, max_active, d_act, d_acts);
+        moe_down_few<W><<<(max_active + 1) * ((H + 127) / 128), 256>>>(mdn.w, I, msdn.w, S, H, n, d_start, d_active, d_na,
             max_active, d_act, d_acts, d_yp, d_ys);
     };
     run_few();
@@ -242,23 +283,25 @@ static void moe_case(int E, int K, int H, int I, int S, int n, int timed) {
             s_y = std::max(s_y, fabs(s ? s : 1e-30));
         }
     char what[96];
-    snprintf(what, sizeof what, "moe_gate_up_few E %d top-%d H %d I %d S %d, %d tokens", E, K, H, I, S, n);
+    const int dt = Fmt<W>::DT;
+    const char *fmt = dt == DT_Q8 ? "q8 " : dt == DT_Q4 ? "q4 " : "";
+    snprintf(what, sizeof what, "%smoe_gate_up_few E %d top-%d H %d I %d S %d, %d tokens", fmt, E, K, H, I, S, n);
     check(what, e_act / s_act, 8e-3);                 /* bf16 outputs: half an ulp is 2^-9 of the value */
-    snprintf(what, sizeof what, "moe_down_few (%d active experts)", na);
+    snprintf(what, sizeof what, "%smoe_down_few (%d active experts)", fmt, na);
     check(what, e_y / s_y, 1e-5);
     if (timed) {
-        double bytes = ((double)na * 3 * I * H + 3.0 * S * H) * 2;
+        const double bytes = (mgu.bytes + mdn.bytes) * na / E + msgu.bytes + msdn.bytes;   /* what is read */
         float t_few = time_ms([&](int) { run_few(); }, 30);
         float t_warp = time_ms([&](int) {
-            moe_gate_up<bf16><<<max_active * ((I + 7) / 8) + (S + 7) / 8, 256>>>(WPtr(d_egu), I, WPtr(d_sgu), S, H, d_xf, n,
+            moe_gate_up<W><<<max_active * ((I + 7) / 8) + (S + 7) / 8, 256>>>(mgu.w, I, msgu.w, S, H, d_xf, n,
                 d_start, d_tok, d_active, d_na, max_active, d_hp, d_hs);
-            moe_down<bf16, 4><<<max_active * ((H + 31) / 32) + (H + 31) / 32, 256>>>(WPtr(d_edn), I, WPtr(d_sdn), S, H, n,
+            moe_down<W, 4><<<max_active * ((H + 31) / 32) + (H + 31) / 32, 256>>>(mdn.w, I, msdn.w, S, H, n,
                 d_start, d_active, d_na, max_active, d_hp, d_hs, d_yp, d_ys);
         }, 30);
         printf("    few %7.2f us (%6.0f GB/s)   warp kernels %7.2f us (%6.0f GB/s), %.1f MB\n", 1e3 * t_few,
                bytes / (1e6 * t_few), 1e3 * t_warp, bytes / (1e6 * t_warp), bytes / 1e6);
     }
-    void *fr[] = {d_egu, d_edn, d_sgu, d_sdn, d_x, d_xf, d_start, d_active, d_tok, d_na, d_act, d_yp, d_ys, d_hp, d_hs};
+    void *fr[] = {mgu.d, mdn.d, msgu.d, msdn.d, d_x, d_xf, d_start, d_active, d_tok, d_na, d_act, d_yp, d_ys, d_hp, d_hs};
     for (void *p : fr) CUDA_CHECK(cudaFree(p));
 }
 
@@ -288,11 +331,18 @@ int main() {
         for (auto &s : shapes) gemm_q_case(&g, blas, dt, s[0], s[1], s[2], s[2] & 1, s[2] & 1 ? 1.0f : 0.0f, 0);
     }
     printf("experts:\n");
-    moe_case(256, 8, 2048, 512, 512, 16, 1);
-    moe_case(256, 8, 2048, 512, 512, 5, 1);
-    moe_case(16, 4, 64, 40, 24, 9, 0);
-    moe_case(8, 2, 72, 24, 0, 16, 0);                     /* no shared expert */
-    moe_case(32, 8, 136, 72, 40, 3, 0);
+    moe_case<bf16>(256, 8, 2048, 512, 512, 16, 1);
+    moe_case<bf16>(256, 8, 2048, 512, 512, 5, 1);
+    moe_case<bf16>(16, 4, 64, 40, 24, 9, 0);
+    moe_case<bf16>(8, 2, 72, 24, 0, 16, 0);               /* no shared expert */
+    moe_case<bf16>(32, 8, 136, 72, 40, 3, 0);
+    printf("experts, q8 / q4 (dequantized in registers):\n");
+    moe_case<Q8>(256, 8, 2048, 512, 512, 16, 1);
+    moe_case<Q4>(256, 8, 2048, 512, 512, 16, 1);
+    moe_case<Q8>(16, 4, 64, 40, 24, 9, 0);                /* I 40, S 24: rows shorter than a group of 32 */
+    moe_case<Q4>(16, 4, 72, 40, 24, 9, 0);
+    moe_case<Q8>(8, 2, 72, 24, 0, 16, 0);
+    moe_case<Q4>(32, 8, 136, 72, 40, 3, 0);
     CUBLAS_CHECK(cublasDestroy(blas));
     printf("%s\n", fails ? "FAILED" : "all checks passed");
     return fails != 0;

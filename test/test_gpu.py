@@ -601,11 +601,13 @@ def test_gpu_few_token_kernels(laguna_gpu, mid_model, exported, tmp_path):
 
 @pytest.mark.parametrize("dtype", ["q8", "q4"])
 def test_gpu_quant_few_token_gemm(laguna_gpu, exported, dtype, tmp_path):
-    """Forwards of 2..16 tokens (verification) send q8 / q4 matrices to gemm_few, dequantized in registers;
-    LAGUNA_NO_FEW_Q=1 sends them to dequant_kernel's bf16 copy + cuBLAS instead. Both multiply the same bf16 weights and
-    bf16 inputs with fp32 sums (dev/few_lab checks the kernel's math), so only the order of the sums differs: the
-    median row of the two paths must be close, and the distance from the CPU (--kv bf16) no worse, in chunks of 16
-    (two halves of 8 tokens) and 7 (one half) on the bf16 fixture quantized."""
+    """Forwards of 2..16 tokens (verification) send q8 / q4 matrices to gemm_few and the experts to moe_gate_up_few /
+    moe_down_few, dequantized in registers; LAGUNA_NO_FEW_Q=1 sends the matrices to dequant_kernel's bf16 copy +
+    cuBLAS and the experts to the warp kernels (f32 activations) instead. The matrices' products are the same bf16
+    weights times bf16 inputs with fp32 sums (dev/few_lab checks the kernels' math), so they differ in the order of
+    the sums only; the experts' SwiGLU output is rounded to bf16 as on bf16 files. The median row of the two paths must
+    be close, and the distance from the CPU (--kv bf16) no worse, in chunks of 16 (two halves of 8 tokens) and 7 (one
+    half) on the bf16 fixture quantized."""
     m, fids = exported("xs21_bf16", "--dtype", dtype), fx("xs21_bf16", "score.txt")
     cpu, _ = score(laguna_gpu, m, fids, tmp_path, "--cpu", "--kv", "bf16")
     off = dict(os.environ, LAGUNA_NO_FEW_Q="1")
@@ -614,8 +616,8 @@ def test_gpu_quant_few_token_gemm(laguna_gpu, exported, dtype, tmp_path):
         old, _ = score(laguna_gpu, m, fids, tmp_path, "--chunk", chunk, env=off)
         d = float(np.median(np.abs(few - old).max(1)))
         dc, dc_old = (float(np.median(np.abs(v - cpu).max(1))) for v in (few, old))
-        print(f"\n[gpu quant] xs21_bf16 {dtype}, chunks of {chunk}: gemm_few vs dequantize + cuBLAS median row max "
-              f"|diff| {d:.3g}; median row max |diff| from the CPU --kv bf16 {dc:.3g} (cuBLAS path {dc_old:.3g})", end="")
+        print(f"\n[gpu quant] xs21_bf16 {dtype}, chunks of {chunk}: few-token kernels vs cuBLAS + warp kernels median "
+              f"row max |diff| {d:.3g}; median row max |diff| from the CPU --kv bf16 {dc:.3g} (cuBLAS path {dc_old:.3g})", end="")
         assert d <= 0.1 and dc <= 2 * dc_old + 0.05
     print()
 
