@@ -18,7 +18,8 @@
 # $TRACE=1: B is also built with -DLAGUNA_TRACE and traces one decode step at 512 on the bf16 file (trace.csv.gz,
 # trace_summary.txt; dev/trace_summary.py's tables (b) and (c) also go to ab.txt); $TRACE_DT: more files to trace the
 # same way (e.g. "q8": trace_q8.csv.gz, its tables to ab.txt); $TRACE_ENV (VAR=value words, several
-# sets separated by ';'): one more trace per set with that environment (trace_env1.csv.gz, ...; tables to ab.txt).
+# sets separated by ';'): one more trace per set with that environment (trace_env1.csv.gz, ...; tables to ab.txt), of
+# the $TRACE_ENV_DT file (default bf16).
 # $LABS: kernel labs (make targets, e.g. "dev/few_lab") built with B and run once after the builds, before the
 # benches, their output into ab.txt.
 # $ALTS: more builds to time beside A and B (directories prepared here with --prepare-alt DIR 'NVCC -D flags': this tree's
@@ -119,9 +120,9 @@ trace() {   # trace() NAME [VAR=value ...]: one traced step at 512, its tables (
 }
 if [ -n "$TR" ]; then
     [ -f /dev/shm/ab-bf16.bin ] && trace trace
-    if [ -n "${TRACE_ENV:-}" ] && [ -f /dev/shm/ab-bf16.bin ]; then
+    if [ -n "${TRACE_ENV:-}" ] && [ -f /dev/shm/ab-${TRACE_ENV_DT:-bf16}.bin ]; then
         IFS=';' read -ra tenvs <<< "$TRACE_ENV"
-        for i in "${!tenvs[@]}"; do trace trace_env$((i + 1)) ${tenvs[$i]}; done
+        for i in "${!tenvs[@]}"; do TDT=${TRACE_ENV_DT:-bf16} trace trace_env$((i + 1)) ${tenvs[$i]}; done
     fi
     for dt in ${TRACE_DT:-}; do [ -f /dev/shm/ab-$dt.bin ] && TDT=$dt trace trace_$dt; done
     rm -f "$OUT"/trace_*_bench.log "$OUT"/trace_*_summary.txt   # the extra traces: their tables are in ab.txt
