@@ -3971,12 +3971,10 @@ static void dequantize(GpuModel *g, int dt, const void *w, size_t total_rows, in
 
 /* whether n tokens through bf16 weights (wdt; -1: the file's unquantized dtype) take the tensor-core kernels for a
  * few tokens (gemm_few, moe_gate_up_few, moe_down_few) */
+/* whether gemm_few and the experts' few-token kernels take n tokens of a matrix in format wdt (-1: the file's own):
+ * bf16-based files, n <= 16, bf16 matrices and q8 / q4 ones (dequantized in registers, few_w8) */
 static int few_ok(const GpuModel *g, int n, int wdt) {
-    return g->few && g->bf && n <= 16 && (wdt == -1 || wdt == DT_BF16);
-}
-/* the same kernels for a q8 / q4 matrix of a bf16-based file, dequantized in registers (few_w8) */
-static int few_q_ok(const GpuModel *g, int n, int wdt) {
-    return g->few_q && g->few && g->bf && n <= 16 && is_quant(wdt);
+    return g->few && g->bf && n <= 16 && (wdt == -1 || wdt == DT_BF16 || (g->few_q && is_quant(wdt)));
 }
 /* gemm_few only for matrices of up to few_max elements: at 16 tokens on the H200 (dev/few_lab) it beat cuBLAS on the
  * router (256 x 2048: 6.1 against 10.5 us) and lost on the big ones (q/k/v/g 19.7 against 15.4, o_proj 22.8 / 15.0,
@@ -3992,15 +3990,11 @@ static void gemm(GpuModel *g, float *y, int ldy, const void *W, int out, int in,
                  int wdt = -1, int x_in_act16 = 0) {
     const float one = 1.0f;
     const void *xin = g->bf && x_in_act16 ? g->act16 : x;   /* x_in_act16: norm_rows left x in act16 already */
-    if (few_ok(g, n, wdt) && in % 8 == 0 && (double)out * in <= g->few_max) {   /* gemm_few, x as it is (bf16 or f32) */
-        gemm_few_launch(g, y, ldy, DT_BF16, W, out, in, xin, x_in_act16, n, beta);
-        return;
-    }
-    /* a q8 / q4 matrix through gemm_few, dequantized in registers: the cuBLAS path below reads the quantized bytes,
-     * writes twice as many in bf16 and reads those again. A 16-token verification at XS-2.1 (H200): q8 16.6 -> 15.2
-     * ms, q4 21.7 -> 19.7; with the experts by moe_*_few too 11.9 / 12.3 (dev/gpu_notes.md, round 23) */
-    if (few_q_ok(g, n, wdt) && in % 8 == 0) {
-        gemm_few_launch(g, y, ldy, wdt, W, out, in, xin, x_in_act16, n, beta);
+    /* gemm_few, x as it is (bf16 or f32); q8 / q4 matrices at every size: the cuBLAS path below reads the quantized
+     * bytes, writes twice as many in bf16 and reads those again. A 16-token verification at XS-2.1 (H200): q8 16.6 ->
+     * 15.2 ms, q4 21.7 -> 19.7; with the experts by moe_*_few too 11.9 / 12.3 (dev/gpu_notes.md, round 23) */
+    if (few_ok(g, n, wdt) && in % 8 == 0 && (is_quant(wdt) || (double)out * in <= g->few_max)) {
+        gemm_few_launch(g, y, ldy, is_quant(wdt) ? wdt : DT_BF16, W, out, in, xin, x_in_act16, n, beta);
         return;
     }
     if (is_quant(wdt)) {
@@ -4376,7 +4370,7 @@ static void moe_many(GpuModel *g, int l, int n) {
     }
     prof_mark(g, "router");
     int max_active = P < E ? P : E;
-    if ((few_ok(g, n, DT) || few_q_ok(g, n, DT)) && H % 8 == 0 && I % 8 == 0 && S % 8 == 0) {
+    if (few_ok(g, n, DT) && H % 8 == 0 && I % 8 == 0 && S % 8 == 0) {
         /* a few tokens of a bf16-based file (verification): the active experts' rows read once (q8 / q4 dequantized
          * in registers), the tokens on tensor cores */
         bf16 *act_s = g->act_few + (size_t)n * K * I;

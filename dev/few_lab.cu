@@ -47,143 +47,28 @@ static void check(const char *what, double err, double bar) {
     printf("  %-44s max |err| / scale %.2e (bar %.0e)%s\n", what, err, bar, err <= bar ? "" : "  FAIL");
 }
 
-/* gemm_few for one shape and token count, x in bf16 (xf32 = 0) or f32; beta 1 checks the accumulate */
-static void gemm_case(GpuModel *g, cublasHandle_t blas, int out, int in, int n, int xf32, float beta, int timed) {
-    size_t wn = (size_t)out * in;
-    int copies = timed ? (int)std::min<size_t>(64, std::max<size_t>(1, (256ull << 20) / (wn * 2) + 1)) : 1;
-    std::vector<bf16> w = rand_bf(wn, 0.05f), xb = rand_bf((size_t)n * in, 1.0f);
-    std::vector<float> xf((size_t)n * in), y0((size_t)n * out);
-    for (size_t i = 0; i < xf.size(); i++) xf[i] = xf32 ? urand() : bf2f(xb[i]);
-    for (auto &v : y0) v = urand();
-    bf16 *dw;
-    CUDA_CHECK(cudaMalloc(&dw, wn * 2 * copies));
-    for (int c = 0; c < copies; c++) CUDA_CHECK(cudaMemcpy(dw + wn * c, w.data(), wn * 2, cudaMemcpyHostToDevice));
-    bf16 *dxb = up(xb);
-    float *dxf = up(xf), *dy = up(y0);
-    const void *x = xf32 ? (const void *)dxf : (const void *)dxb;
-    gemm_few_launch(g, dy, out, DT_BF16, dw, out, in, x, !xf32, n, beta);
-    CUDA_CHECK(cudaDeviceSynchronize());
-    std::vector<float> y((size_t)n * out);
-    CUDA_CHECK(cudaMemcpy(y.data(), dy, y.size() * 4, cudaMemcpyDeviceToHost));
-    double err = 0, scale = 0;
-    for (int t = 0; t < n; t++)
-        for (int r = 0; r < out; r++) {
-            double s = 0;
-            for (int k = 0; k < in; k++) s += (double)bf2f(w[(size_t)r * in + k]) * bf2f(__float2bfloat16(xf[(size_t)t * in + k]));
-            s += beta * y0[(size_t)t * out + r];
-            err = std::max(err, fabs(s - y[(size_t)t * out + r]));
-            scale = std::max(scale, fabs(s));
-        }
-    char what[96];
-    snprintf(what, sizeof what, "%6d x %5d, %2d tokens, x %s, beta %g", out, in, n, xf32 ? "f32" : "bf16", beta);
-    check(what, err / scale, 1e-5);
-    if (timed) {
-        const float one = 1.0f, zero = 0.0f;
-        float t_few = time_ms([&](int i) { gemm_few_launch(g, dy, out, DT_BF16, dw + wn * (i % copies), out, in, x, !xf32, n, 0.0f); }, 50);
-        float t_blas = time_ms([&](int i) {
-            CUBLAS_CHECK(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, out, n, in, &one, dw + wn * (i % copies), CUDA_R_16BF, in,
-                                      dxb, CUDA_R_16BF, in, &zero, dy, CUDA_R_32F, out, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-        }, 50);
-        printf("    gemm_few %7.2f us (%6.0f GB/s)   cuBLAS %7.2f us (%6.0f GB/s)\n", 1e3 * t_few, wn * 2 / (1e6 * t_few),
-               1e3 * t_blas, wn * 2 / (1e6 * t_blas));
-    }
-    CUDA_CHECK(cudaFree(dw)); CUDA_CHECK(cudaFree(dxb)); CUDA_CHECK(cudaFree(dxf)); CUDA_CHECK(cudaFree(dy));
-}
-
-/* gemm_few on a q8 / q4 matrix (values and fp16 scales planar, rows padded to whole groups of 32, as in the file):
- * each weight dequantized (value * scale, rounded to bf16) in registers. Checked against the CPU on those bf16
- * weights; timed against what gemm() does otherwise: dequant_kernel to a bf16 matrix, then cuBLAS. GB/s = the
- * quantized bytes / time. */
-static void gemm_q_case(GpuModel *g, cublasHandle_t blas, int dt, int out, int in, int n, int xf32, float beta, int timed) {
-    const int groups = (in + 31) / 32, gb = dt == DT_Q8 ? 32 : 16;
-    const size_t vb = (size_t)out * groups * gb, qbytes = vb + (size_t)out * groups * 2;
-    int copies = timed ? (int)std::min<size_t>(64, std::max<size_t>(1, (256ull << 20) / qbytes + 1)) : 1;
-    std::vector<uint8_t> q(qbytes, 0);
-    std::vector<float> wd((size_t)out * in);                 /* the dequantized weights the kernel must use */
-    uint16_t *scales = (uint16_t *)(q.data() + vb);
-    for (int r = 0; r < out; r++)
-        for (int gi = 0; gi < groups; gi++) {
-            __half h = __float2half(0.002f + 0.01f * (urand() + 1.0f));
-            memcpy(&scales[(size_t)r * groups + gi], &h, 2);
-            const float sc = __half2float(h);
-            for (int i = 0; i < 32 && gi * 32 + i < in; i++) {
-                const int k = gi * 32 + i;
-                int v = dt == DT_Q8 ? (int)lrintf(127.0f * urand()) : (int)lrintf(7.5f * urand() + 7.5f) - 8;
-                uint8_t *row = q.data() + (size_t)r * groups * gb;
-                if (dt == DT_Q8) row[k] = (uint8_t)(int8_t)v;
-                else row[k / 2] |= (uint8_t)((v + 8) << (4 * (k & 1)));
-                wd[(size_t)r * in + k] = bf2f(__float2bfloat16((float)v * sc));
-            }
-        }
-    std::vector<bf16> xb = rand_bf((size_t)n * in, 1.0f);
-    std::vector<float> xf((size_t)n * in), y0((size_t)n * out);
-    for (size_t i = 0; i < xf.size(); i++) xf[i] = xf32 ? urand() : bf2f(xb[i]);
-    for (auto &v : y0) v = urand();
-    uint8_t *dq;
-    CUDA_CHECK(cudaMalloc(&dq, qbytes * copies));
-    for (int c = 0; c < copies; c++) CUDA_CHECK(cudaMemcpy(dq + qbytes * c, q.data(), qbytes, cudaMemcpyHostToDevice));
-    bf16 *dxb = up(xb);
-    float *dxf = up(xf), *dy = up(y0);
-    const void *x = xf32 ? (const void *)dxf : (const void *)dxb;
-    gemm_few_launch(g, dy, out, dt, dq, out, in, x, !xf32, n, beta);
-    CUDA_CHECK(cudaDeviceSynchronize());
-    std::vector<float> y((size_t)n * out);
-    CUDA_CHECK(cudaMemcpy(y.data(), dy, y.size() * 4, cudaMemcpyDeviceToHost));
-    double err = 0, scale = 0;
-    for (int t = 0; t < n; t++)
-        for (int r = 0; r < out; r++) {
-            double s = 0;
-            for (int k = 0; k < in; k++) s += (double)wd[(size_t)r * in + k] * bf2f(__float2bfloat16(xf[(size_t)t * in + k]));
-            s += beta * y0[(size_t)t * out + r];
-            err = std::max(err, fabs(s - y[(size_t)t * out + r]));
-            scale = std::max(scale, fabs(s));
-        }
-    char what[96];
-    snprintf(what, sizeof what, "%s %6d x %5d, %2d tokens, x %s, beta %g", dt == DT_Q8 ? "q8" : "q4", out, in, n,
-             xf32 ? "f32" : "bf16", beta);
-    check(what, err / scale, 1e-5);
-    if (timed) {
-        const float one = 1.0f, zero = 0.0f;
-        bf16 *dw;
-        CUDA_CHECK(cudaMalloc(&dw, (size_t)out * in * 2));
-        float t_few = time_ms([&](int i) { gemm_few_launch(g, dy, out, dt, dq + qbytes * (i % copies), out, in, x, !xf32, n, 0.0f); }, 50);
-        float t_blas = time_ms([&](int i) {
-            const WPtr m = wmat(dt, dq + qbytes * (i % copies), out, in);
-            size_t chunks = (size_t)out * ((in + 31) / 32) * (dt == DT_Q8 ? 2 : 1);
-            if (dt == DT_Q8) dequant_kernel<Q8, bf16><<<grid_for(chunks, 256), 256>>>(dw, m, in, out, 0, NULL, NULL);
-            else dequant_kernel<Q4, bf16><<<grid_for(chunks, 256), 256>>>(dw, m, in, out, 0, NULL, NULL);
-            CUBLAS_CHECK(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, out, n, in, &one, dw, CUDA_R_16BF, in,
-                                      dxb, CUDA_R_16BF, in, &zero, dy, CUDA_R_32F, out, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-        }, 50);
-        printf("    gemm_few %7.2f us (%6.0f GB/s)   dequantize + cuBLAS %7.2f us (%6.0f GB/s)\n", 1e3 * t_few,
-               qbytes / (1e6 * t_few), 1e3 * t_blas, qbytes / (1e6 * t_blas));
-        CUDA_CHECK(cudaFree(dw));
-    }
-    CUDA_CHECK(cudaFree(dq)); CUDA_CHECK(cudaFree(dxb)); CUDA_CHECK(cudaFree(dxf)); CUDA_CHECK(cudaFree(dy));
-}
-
-/* a random matrix of `rows` x `in` in format W on the device, and on the host the bf16 values the kernels must use
- * (q8 / q4: value * scale rounded to bf16, as dequant_kernel writes them), weights of magnitude up to about a */
-template <typename W> struct LabMat { std::vector<bf16> ref; void *d; WPtr w; double bytes; };
+/* a random matrix of `rows` x `in` in format W as the file holds it (bytes: q8 / q4 values and fp16 scales planar,
+ * rows padded to whole groups of 32) and the bf16 values the kernels must use (ref; q8 / q4: value * scale rounded
+ * to bf16, as dequant_kernel writes them), weights of magnitude up to about a */
+template <typename W> struct LabMat { std::vector<bf16> ref; std::vector<uint8_t> bytes; };
 template <typename W> static LabMat<W> lab_mat(int rows, int in, float a) {
     LabMat<W> m;
     if constexpr (!is_q<W>) {
         m.ref = rand_bf((size_t)rows * in, a);
-        m.d = up(m.ref);
-        m.w = WPtr(m.d);
-        m.bytes = (double)rows * in * 2;
+        m.bytes.resize(m.ref.size() * 2);
+        memcpy(m.bytes.data(), m.ref.data(), m.bytes.size());
     } else {
         const int dt = Fmt<W>::DT, groups = (in + 31) / 32, gb = Fmt<W>::GB;
         const size_t vb = (size_t)rows * groups * gb;
-        std::vector<uint8_t> q(vb + (size_t)rows * groups * 2, 0);
-        uint16_t *scales = (uint16_t *)(q.data() + vb);
+        m.bytes.assign(vb + (size_t)rows * groups * 2, 0);
+        uint16_t *scales = (uint16_t *)(m.bytes.data() + vb);
         m.ref.resize((size_t)rows * in);
         for (int r = 0; r < rows; r++)
             for (int gi = 0; gi < groups; gi++) {
                 __half h = __float2half(a * (0.5f + 0.25f * (urand() + 1.0f)) / (dt == DT_Q8 ? 127.0f : 8.0f));
                 memcpy(&scales[(size_t)r * groups + gi], &h, 2);
                 const float sc = __half2float(h);
-                uint8_t *row = q.data() + (size_t)r * groups * gb;
+                uint8_t *row = m.bytes.data() + (size_t)r * groups * gb;
                 for (int i = 0; i < 32 && gi * 32 + i < in; i++) {
                     const int k = gi * 32 + i;
                     int v = dt == DT_Q8 ? (int)lrintf(127.0f * urand()) : (int)lrintf(7.5f * urand() + 7.5f) - 8;
@@ -192,11 +77,72 @@ template <typename W> static LabMat<W> lab_mat(int rows, int in, float a) {
                     m.ref[(size_t)r * in + k] = __float2bfloat16((float)v * sc);
                 }
             }
-        m.d = up(q);
-        m.w = wmat(dt, m.d, rows, in);
-        m.bytes = (double)q.size();
     }
     return m;
+}
+/* `copies` copies of m's bytes on the device, one after the other */
+template <typename W> static uint8_t *up_copies(const LabMat<W> &m, int copies) {
+    uint8_t *d;
+    CUDA_CHECK(cudaMalloc(&d, m.bytes.size() * copies));
+    for (int c = 0; c < copies; c++)
+        CUDA_CHECK(cudaMemcpy(d + m.bytes.size() * c, m.bytes.data(), m.bytes.size(), cudaMemcpyHostToDevice));
+    return d;
+}
+
+/* gemm_few for one shape and token count (W: bf16, or q8 / q4 dequantized in registers), x in bf16 (xf32 = 0) or f32;
+ * beta 1 checks the accumulate. Timed against what gemm() does otherwise: cuBLAS on the bf16 matrix, or for q8 / q4
+ * dequant_kernel to a bf16 matrix, then cuBLAS. GB/s = the matrix's bytes in the file / time. */
+template <typename W>
+static void gemm_case(GpuModel *g, cublasHandle_t blas, int out, int in, int n, int xf32, float beta, int timed) {
+    const int dt = Fmt<W>::DT;
+    const LabMat<W> m = lab_mat<W>(out, in, 0.05f);
+    const size_t mb = m.bytes.size();
+    int copies = timed ? (int)std::min<size_t>(64, std::max<size_t>(1, (256ull << 20) / mb + 1)) : 1;
+    std::vector<bf16> xb = rand_bf((size_t)n * in, 1.0f);
+    std::vector<float> xf((size_t)n * in), y0((size_t)n * out);
+    for (size_t i = 0; i < xf.size(); i++) xf[i] = xf32 ? urand() : bf2f(xb[i]);
+    for (auto &v : y0) v = urand();
+    uint8_t *dw = up_copies(m, copies);
+    bf16 *dxb = up(xb);
+    float *dxf = up(xf), *dy = up(y0);
+    const void *x = xf32 ? (const void *)dxf : (const void *)dxb;
+    gemm_few_launch(g, dy, out, dt, dw, out, in, x, !xf32, n, beta);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<float> y((size_t)n * out);
+    CUDA_CHECK(cudaMemcpy(y.data(), dy, y.size() * 4, cudaMemcpyDeviceToHost));
+    double err = 0, scale = 0;
+    for (int t = 0; t < n; t++)
+        for (int r = 0; r < out; r++) {
+            double s = 0;
+            for (int k = 0; k < in; k++) s += (double)bf2f(m.ref[(size_t)r * in + k]) * bf2f(__float2bfloat16(xf[(size_t)t * in + k]));
+            s += beta * y0[(size_t)t * out + r];
+            err = std::max(err, fabs(s - y[(size_t)t * out + r]));
+            scale = std::max(scale, fabs(s));
+        }
+    char what[96];
+    snprintf(what, sizeof what, "%s%6d x %5d, %2d tokens, x %s, beta %g", dt == DT_Q8 ? "q8 " : dt == DT_Q4 ? "q4 " : "",
+             out, in, n, xf32 ? "f32" : "bf16", beta);
+    check(what, err / scale, 1e-5);
+    if (timed) {
+        const float one = 1.0f, zero = 0.0f;
+        bf16 *dq = NULL;                                     /* q8 / q4: the dequantized copy */
+        if (is_q<W>) CUDA_CHECK(cudaMalloc(&dq, (size_t)out * in * 2));
+        float t_few = time_ms([&](int i) { gemm_few_launch(g, dy, out, dt, dw + mb * (i % copies), out, in, x, !xf32, n, 0.0f); }, 50);
+        float t_blas = time_ms([&](int i) {
+            const bf16 *wb = (const bf16 *)(dw + mb * (i % copies));
+            if constexpr (is_q<W>) {
+                const size_t chunks = (size_t)out * ((in + 31) / 32) * (dt == DT_Q8 ? 2 : 1);
+                dequant_kernel<W, bf16><<<grid_for(chunks, 256), 256>>>(dq, wmat(dt, wb, out, in), in, out, 0, NULL, NULL);
+                wb = dq;
+            }
+            CUBLAS_CHECK(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, out, n, in, &one, wb, CUDA_R_16BF, in,
+                                      dxb, CUDA_R_16BF, in, &zero, dy, CUDA_R_32F, out, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+        }, 50);
+        printf("    gemm_few %7.2f us (%6.0f GB/s)   %s %7.2f us (%6.0f GB/s)\n", 1e3 * t_few, mb / (1e6 * t_few),
+               is_q<W> ? "dequantize + cuBLAS" : "cuBLAS", 1e3 * t_blas, mb / (1e6 * t_blas));
+        if (dq) CUDA_CHECK(cudaFree(dq));
+    }
+    CUDA_CHECK(cudaFree(dw)); CUDA_CHECK(cudaFree(dxb)); CUDA_CHECK(cudaFree(dxf)); CUDA_CHECK(cudaFree(dy));
 }
 
 /* the experts of n tokens (top-K of E, uniform routing; W: the experts' format): moe_gate_up_few + moe_down_few
@@ -216,9 +162,13 @@ static void moe_case(int E, int K, int H, int I, int S, int n, int timed) {
     for (int e = 0; e < E; e++)
         for (int p = 0; p < n * K; p++) if (topk[p] == e) pair_tok.push_back(p / K);
     int na = (int)active.size(), P = n * K, max_active = std::min(P, E);
-    LabMat<W> mgu = lab_mat<W>(E * 2 * I, H, 0.05f), mdn = lab_mat<W>(E * H, I, 0.05f),
-              msgu = lab_mat<W>(2 * S, H, 0.05f), msdn = lab_mat<W>(H, S, 0.05f);
+    const int dt = Fmt<W>::DT;
+    const LabMat<W> mgu = lab_mat<W>(E * 2 * I, H, 0.05f), mdn = lab_mat<W>(E * H, I, 0.05f),
+                    msgu = lab_mat<W>(2 * S, H, 0.05f), msdn = lab_mat<W>(H, S, 0.05f);
     const std::vector<bf16> &egu = mgu.ref, &edn = mdn.ref, &sgu = msgu.ref, &sdn = msdn.ref;
+    uint8_t *d_egu = up_copies(mgu, 1), *d_edn = up_copies(mdn, 1), *d_sgu = up_copies(msgu, 1), *d_sdn = up_copies(msdn, 1);
+    const WPtr w_egu = wmat(dt, d_egu, (size_t)E * 2 * I, H), w_edn = wmat(dt, d_edn, (size_t)E * H, I),
+               w_sgu = wmat(dt, d_sgu, 2 * (size_t)S, H), w_sdn = wmat(dt, d_sdn, H, S);
     std::vector<bf16> x = rand_bf((size_t)n * H, 1.0f);
     std::vector<float> xf((size_t)n * H);
     for (size_t i = 0; i < xf.size(); i++) xf[i] = bf2f(x[i]);
@@ -235,9 +185,9 @@ static void moe_case(int E, int K, int H, int I, int S, int n, int timed) {
     CUDA_CHECK(cudaMalloc(&d_hs, (size_t)n * S * 4));
     bf16 *d_acts = d_act + (size_t)P * I;
     auto run_few = [&]() {
-        moe_gate_up_few<W><<<max_active * ((I + 63) / 64) + (S + 63) / 64, 256>>>(mgu.w, I, msgu.w, S, H, d_x, n, d_start,
+        moe_gate_up_few<W><<<max_active * ((I + 63) / 64) + (S + 63) / 64, 256>>>(w_egu, I, w_sgu, S, H, d_x, n, d_start,
             d_tok, d_active, d_na, max_active, d_act, d_acts);
-        moe_down_few<W><<<(max_active + 1) * ((H + 127) / 128), 256>>>(mdn.w, I, msdn.w, S, H, n, d_start, d_active, d_na,
+        moe_down_few<W><<<(max_active + 1) * ((H + 127) / 128), 256>>>(w_edn, I, w_sdn, S, H, n, d_start, d_active, d_na,
             max_active, d_act, d_acts, d_yp, d_ys);
     };
     run_few();
@@ -283,25 +233,25 @@ static void moe_case(int E, int K, int H, int I, int S, int n, int timed) {
             s_y = std::max(s_y, fabs(s ? s : 1e-30));
         }
     char what[96];
-    const int dt = Fmt<W>::DT;
     const char *fmt = dt == DT_Q8 ? "q8 " : dt == DT_Q4 ? "q4 " : "";
     snprintf(what, sizeof what, "%smoe_gate_up_few E %d top-%d H %d I %d S %d, %d tokens", fmt, E, K, H, I, S, n);
     check(what, e_act / s_act, 8e-3);                 /* bf16 outputs: half an ulp is 2^-9 of the value */
     snprintf(what, sizeof what, "%smoe_down_few (%d active experts)", fmt, na);
     check(what, e_y / s_y, 1e-5);
     if (timed) {
-        const double bytes = (mgu.bytes + mdn.bytes) * na / E + msgu.bytes + msdn.bytes;   /* what is read */
+        const double bytes = (double)(mgu.bytes.size() + mdn.bytes.size()) * na / E + msgu.bytes.size() +
+                             msdn.bytes.size();                 /* what is read */
         float t_few = time_ms([&](int) { run_few(); }, 30);
         float t_warp = time_ms([&](int) {
-            moe_gate_up<W><<<max_active * ((I + 7) / 8) + (S + 7) / 8, 256>>>(mgu.w, I, msgu.w, S, H, d_xf, n,
+            moe_gate_up<W><<<max_active * ((I + 7) / 8) + (S + 7) / 8, 256>>>(w_egu, I, w_sgu, S, H, d_xf, n,
                 d_start, d_tok, d_active, d_na, max_active, d_hp, d_hs);
-            moe_down<W, 4><<<max_active * ((H + 31) / 32) + (H + 31) / 32, 256>>>(mdn.w, I, msdn.w, S, H, n,
+            moe_down<W, 4><<<max_active * ((H + 31) / 32) + (H + 31) / 32, 256>>>(w_edn, I, w_sdn, S, H, n,
                 d_start, d_active, d_na, max_active, d_hp, d_hs, d_yp, d_ys);
         }, 30);
         printf("    few %7.2f us (%6.0f GB/s)   warp kernels %7.2f us (%6.0f GB/s), %.1f MB\n", 1e3 * t_few,
                bytes / (1e6 * t_few), 1e3 * t_warp, bytes / (1e6 * t_warp), bytes / 1e6);
     }
-    void *fr[] = {mgu.d, mdn.d, msgu.d, msdn.d, d_x, d_xf, d_start, d_active, d_tok, d_na, d_act, d_yp, d_ys, d_hp, d_hs};
+    void *fr[] = {d_egu, d_edn, d_sgu, d_sdn, d_x, d_xf, d_start, d_active, d_tok, d_na, d_act, d_yp, d_ys, d_hp, d_hs};
     for (void *p : fr) CUDA_CHECK(cudaFree(p));
 }
 
@@ -316,20 +266,25 @@ int main() {
     cublasHandle_t blas;
     CUBLAS_CHECK(cublasCreate(&blas));
     printf("%s, %d SMs\ngemm_few (y = W x, bf16 W), the verification's shapes, 16 tokens:\n", prop.name, g.nsm);
-    gemm_case(&g, blas, 10304, 2048, 16, 0, 0.0f, 1);     /* q/k/v/g of a sliding layer */
-    gemm_case(&g, blas, 2048, 8192, 16, 1, 1.0f, 1);      /* o_proj into the residual, f32 input */
-    gemm_case(&g, blas, 256, 2048, 16, 0, 0.0f, 1);       /* the router */
-    gemm_case(&g, blas, 100352, 2048, 16, 0, 0.0f, 1);    /* lm_head, every row */
+    gemm_case<bf16>(&g, blas, 10304, 2048, 16, 0, 0.0f, 1);     /* q/k/v/g of a sliding layer */
+    gemm_case<bf16>(&g, blas, 2048, 8192, 16, 1, 1.0f, 1);      /* o_proj into the residual, f32 input */
+    gemm_case<bf16>(&g, blas, 256, 2048, 16, 0, 0.0f, 1);       /* the router */
+    gemm_case<bf16>(&g, blas, 100352, 2048, 16, 0, 0.0f, 1);    /* lm_head, every row */
     printf("odd shapes:\n");
     int shapes[][3] = {{37, 72, 2}, {40, 40, 5}, {16, 8, 8}, {100, 264, 9}, {1000, 200, 16}, {24, 2056, 13}, {7, 96, 3}};
-    for (auto &s : shapes) { gemm_case(&g, blas, s[0], s[1], s[2], 0, 0.0f, 0); gemm_case(&g, blas, s[0], s[1], s[2], 1, 1.0f, 0); }
-    printf("gemm_few on q8 / q4 matrices (dequantized in registers), 16 tokens:\n");
-    for (int dt : {DT_Q8, DT_Q4}) {
-        gemm_q_case(&g, blas, dt, 10304, 2048, 16, 0, 0.0f, 1);
-        gemm_q_case(&g, blas, dt, 2048, 8192, 16, 1, 1.0f, 1);
-        gemm_q_case(&g, blas, dt, 100352, 2048, 16, 0, 0.0f, 1);
-        for (auto &s : shapes) gemm_q_case(&g, blas, dt, s[0], s[1], s[2], s[2] & 1, s[2] & 1 ? 1.0f : 0.0f, 0);
+    for (auto &s : shapes) {
+        gemm_case<bf16>(&g, blas, s[0], s[1], s[2], 0, 0.0f, 0);
+        gemm_case<bf16>(&g, blas, s[0], s[1], s[2], 1, 1.0f, 0);
     }
+    printf("gemm_few on q8 / q4 matrices (dequantized in registers), 16 tokens:\n");
+    gemm_case<Q8>(&g, blas, 10304, 2048, 16, 0, 0.0f, 1);
+    gemm_case<Q8>(&g, blas, 2048, 8192, 16, 1, 1.0f, 1);
+    gemm_case<Q8>(&g, blas, 100352, 2048, 16, 0, 0.0f, 1);
+    for (auto &s : shapes) gemm_case<Q8>(&g, blas, s[0], s[1], s[2], s[2] & 1, s[2] & 1 ? 1.0f : 0.0f, 0);
+    gemm_case<Q4>(&g, blas, 10304, 2048, 16, 0, 0.0f, 1);
+    gemm_case<Q4>(&g, blas, 2048, 8192, 16, 1, 1.0f, 1);
+    gemm_case<Q4>(&g, blas, 100352, 2048, 16, 0, 0.0f, 1);
+    for (auto &s : shapes) gemm_case<Q4>(&g, blas, s[0], s[1], s[2], s[2] & 1, s[2] & 1 ? 1.0f : 0.0f, 0);
     printf("experts:\n");
     moe_case<bf16>(256, 8, 2048, 512, 512, 16, 1);
     moe_case<bf16>(256, 8, 2048, 512, 512, 5, 1);

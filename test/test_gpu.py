@@ -587,16 +587,24 @@ def test_gpu_few_token_kernels(laguna_gpu, mid_model, exported, tmp_path):
               f"{np.median(rows):.3g}, top-1 agreement {100 * agree:.2f}%; with the CPU's --kv bf16 {100 * a_few:.2f}% "
               f"(cuBLAS path {100 * a_old:.2f}%)")
         assert np.median(rows) <= 0.2 and a_few >= a_old - 0.03
-    m, fids = exported("xs21_bf16"), fx("xs21_bf16", "score.txt")
+    few_paths_agree(laguna_gpu, exported("xs21_bf16"), "xs21_bf16", off, tmp_path)
+
+
+def few_paths_agree(laguna_gpu, m, label, off, tmp_path):
+    """the xs21_bf16 fixture's logits (file m) in chunks of 16 (two halves of 8 tokens) and 7 (one half), by the
+    few-token kernels and with `off` (the environment that turns them off): the median row of the two must be close,
+    and the distance from the CPU (--kv bf16) no worse"""
+    fids = fx("xs21_bf16", "score.txt")
     cpu, _ = score(laguna_gpu, m, fids, tmp_path, "--cpu", "--kv", "bf16")
     for chunk in ("16", "7"):
         few, _ = score(laguna_gpu, m, fids, tmp_path, "--chunk", chunk)
         old, _ = score(laguna_gpu, m, fids, tmp_path, "--chunk", chunk, env=off)
         d = float(np.median(np.abs(few - old).max(1)))
         dc, dc_old = (float(np.median(np.abs(v - cpu).max(1))) for v in (few, old))
-        print(f"[gpu] xs21_bf16, chunks of {chunk}: few-token kernels vs cuBLAS median row max |diff| {d:.3g}; median "
-              f"row max |diff| from the CPU --kv bf16 {dc:.3g} (cuBLAS path {dc_old:.3g})")
+        print(f"\n[gpu] {label}, chunks of {chunk}: few-token kernels vs the old path median row max |diff| {d:.3g}; "
+              f"median row max |diff| from the CPU --kv bf16 {dc:.3g} (old path {dc_old:.3g})", end="")
         assert d <= 0.1 and dc <= 2 * dc_old + 0.05
+    print()
 
 
 @pytest.mark.parametrize("dtype", ["q8", "q4"])
@@ -606,20 +614,9 @@ def test_gpu_quant_few_token_gemm(laguna_gpu, exported, dtype, tmp_path):
     cuBLAS and the experts to the warp kernels (f32 activations) instead. The matrices' products are the same bf16
     weights times bf16 inputs with fp32 sums (dev/few_lab checks the kernels' math), so they differ in the order of
     the sums only; the experts' SwiGLU output is rounded to bf16 as on bf16 files. The median row of the two paths must
-    be close, and the distance from the CPU (--kv bf16) no worse, in chunks of 16 (two halves of 8 tokens) and 7 (one
-    half) on the bf16 fixture quantized."""
-    m, fids = exported("xs21_bf16", "--dtype", dtype), fx("xs21_bf16", "score.txt")
-    cpu, _ = score(laguna_gpu, m, fids, tmp_path, "--cpu", "--kv", "bf16")
-    off = dict(os.environ, LAGUNA_NO_FEW_Q="1")
-    for chunk in ("16", "7"):
-        few, _ = score(laguna_gpu, m, fids, tmp_path, "--chunk", chunk)
-        old, _ = score(laguna_gpu, m, fids, tmp_path, "--chunk", chunk, env=off)
-        d = float(np.median(np.abs(few - old).max(1)))
-        dc, dc_old = (float(np.median(np.abs(v - cpu).max(1))) for v in (few, old))
-        print(f"\n[gpu quant] xs21_bf16 {dtype}, chunks of {chunk}: few-token kernels vs cuBLAS + warp kernels median "
-              f"row max |diff| {d:.3g}; median row max |diff| from the CPU --kv bf16 {dc:.3g} (cuBLAS path {dc_old:.3g})", end="")
-        assert d <= 0.1 and dc <= 2 * dc_old + 0.05
-    print()
+    be close, and the distance from the CPU (--kv bf16) no worse, on the bf16 fixture quantized (few_paths_agree)."""
+    few_paths_agree(laguna_gpu, exported("xs21_bf16", "--dtype", dtype), f"xs21_bf16 {dtype}",
+                    dict(os.environ, LAGUNA_NO_FEW_Q="1"), tmp_path)
 
 
 # ---------------------------------------------------------------------------------------------
