@@ -396,6 +396,24 @@ __device__ __forceinline__ void cols8_dot(const typename Cols8<W>::T *c, const X
         acc[j] = fmaf(__half2float(__ushort_as_half(c[j].s)) * xq.s, d, acc[j]);
     }
 }
+/* x's 8 values as quant_x8 leaves them, stored once (by the router's block 0, for decode's gate/up blocks, which
+ * would each quantize the same values again): 3 x 16 bytes a chunk of 8 (q8 reads the first 2) */
+__device__ __forceinline__ void store_xq(uint4 *p, const XQ8 &q) {
+    p[0] = make_uint4(q.lo[0], q.lo[1], q.mid[0], q.mid[1]);
+    p[1] = make_uint4(q.hi[0], q.hi[1], __float_as_uint(q.s), 0u);
+    p[2] = make_uint4((uint32_t)q.start_l, (uint32_t)q.start_m, (uint32_t)q.start_h, 0u);
+}
+template <typename W> __device__ __forceinline__ XQ8 load_xq(const uint4 *p) {
+    XQ8 q;
+    const uint4 a = p[0], b = p[1];
+    q.lo[0] = a.x; q.lo[1] = a.y; q.mid[0] = a.z; q.mid[1] = a.w;
+    q.hi[0] = b.x; q.hi[1] = b.y; q.s = __uint_as_float(b.z);
+    if constexpr (Fmt<W>::DT == DT_Q4) {
+        const uint4 c = p[2];
+        q.start_l = (int)c.x; q.start_m = (int)c.y; q.start_h = (int)c.z;
+    } else q.start_l = q.start_m = q.start_h = 0;
+    return q;
+}
 /* acc[j] += c[j] . x for R chunks of R rows at the same columns: n of the chunk's CH columns lie inside the row (the
  * last chunk of a quantized row may be partial; n is a multiple of 8); x8(b, f) loads the 8 activations of sub-chunk
  * b. Quantized: the sub-chunks' sum times the group's scale. */
@@ -1987,14 +2005,15 @@ __device__ __forceinline__ void shared_gate_up_block(int b, WPtr gu, int S, int 
     }
 }
 
-template <typename W, int NCH, bool SH>
+template <typename W, int NCH, bool SH, typename Q>   /* Q: the experts' format (q8 / q4: xq_out) */
 __global__ void __launch_bounds__(256) router_decode(float *logits, WPtr w, int E, int H, const float *x,
                                                      const float *norm_w, float eps, float *xb_out,
                                                      const float *bias, int K, float softcap, int *start,
                                                      int *pair_tok, float *pair_w, int *active, int *n_active,
-                                                     int *counter, WPtr shared_gu, int S, float *hs, int nbr) {
+                                                     int *counter, WPtr shared_gu, int S, float *hs, int nbr,
+                                                     uint4 *xq_out) {
     TRACE_BLOCK();
-    if constexpr (SH && !is_q<W>)
+    if constexpr (SH && !is_q<Q>)                  /* bf16 / f32: the experts' format is the router's */
         if ((int)blockIdx.x >= nbr) {               /* a shared-expert gate/up block */
             shared_gate_up_block<W, 4>(blockIdx.x - nbr, shared_gu, S, H, x, norm_w, eps, hs);
             return;
@@ -2017,6 +2036,16 @@ __global__ void __launch_bounds__(256) router_decode(float *logits, WPtr w, int 
         last = old == (SH ? nbr : (int)gridDim.x) - 1;   /* the router's blocks only */
     }
     __syncthreads();
+    /* q8 / q4: block 0 quantizes the normed x it wrote (each thread its own 8 values, H <= 2048: moe_gate_up_cols's
+     * columns) once for all the gate/up blocks, after counting itself, so the top-k does not wait for it. On the H200
+     * (XS-2.1, 512 / 8K): q8 552.8 / 505.3 -> 556.7 / 507.9 tok/s, q4 561.8 / 513.0 -> 568.8 / 519.1 (dev/gpu_notes.md,
+     * round 24) */
+    if constexpr (is_q<Q>)
+        if (xq_out && blockIdx.x == 0 && threadIdx.x * 8 < H) {
+            float v[8];
+            load_x8(xb_out + threadIdx.x * 8, v);    /* this thread's own stores */
+            store_xq(xq_out + 3 * threadIdx.x, quant_x8<Q>(v));
+        }
     if (!last) return;
     TRACE_MARK(1);
     __shared__ int ae[32];
@@ -2286,7 +2315,7 @@ __global__ void __launch_bounds__(256) moe_gate_up_decode(WPtr experts_gu, int I
 template <typename W, int R>
 __global__ void __launch_bounds__(256) moe_gate_up_cols(WPtr experts_gu, int I, WPtr always_gu, int S, int H,
                                                         const float *xb, const int *active, const int *n_active,
-                                                        float *h_pair, float *hs) {
+                                                        float *h_pair, float *hs, const uint4 *xq) {
     TRACE_BLOCK();
     constexpr int CH = 8;                           /* columns a thread (Cols8) */
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nbS = (S + R - 1) / R, b = blockIdx.x;
@@ -2322,14 +2351,20 @@ __global__ void __launch_bounds__(256) moe_gate_up_cols(WPtr experts_gu, int I, 
     float acc[2 * R] = {};
     if (k < H) {
         float xv[CH];
+        if constexpr (is_q<W>) {
+            if (xq) cols8_dot<W, 2 * R>(c, load_xq<W>(xq + 3 * tid), acc);   /* quantized by the router */
+            else {
+                load_x8(xb + k, xv);
+                cols8_dot<W, 2 * R>(c, quant_x8<W>(xv), acc);
+            }
+        } else {
 #pragma unroll
-        for (int bb = 0; bb < CH / 8; bb++) load_x8(xb + k + 8 * bb, &xv[8 * bb]);
-        if constexpr (!is_q<W>)
+            for (int bb = 0; bb < CH / 8; bb++) load_x8(xb + k + 8 * bb, &xv[8 * bb]);
             chunk_dot<W, 2 * R>(c, H - k, [&](int bb, float f[8]) {
 #pragma unroll
                 for (int i = 0; i < 8; i++) f[i] = xv[8 * bb + i];
             }, acc);
-        else cols8_dot<W, 2 * R>(c, quant_x8<W>(xv), acc);
+        }
     }
     __shared__ float red[8][2 * R];
     float v = warp_reduce_rows<2 * R>(acc, lane);
@@ -3386,6 +3421,7 @@ struct GpuModel {
     int pdl_now;             /* set while enqueueing a one-token forward */
     int dup, nlaunch;        /* LAGUNA_DUP=k: the k-th decode launch of every layer enqueued twice (a timing hook) */
     int down_warp;           /* LAGUNA_DOWN_WARP=1: decode's down projections by moe_down_decode (q8 / q4's kernel) */
+    uint4 *xq;               /* q8 / q4 decode: the normed x quantized once by the router for gate/up (quant_x8) */
     int qwarp;               /* LAGUNA_QWARP=1: q8 / q4 decode matvecs and experts by the warp kernels, not column slices */
     int few;                 /* bf16 GEMMs and experts of 2..16 tokens on tensor cores (gemm_few; LAGUNA_NO_FEW=1: cuBLAS
                                 and the warp kernels, a test and timing hook) */
@@ -3825,6 +3861,7 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
         act0 += b_; } while (0)
     ALLOC(g->x, (size_t)T * H, float);
     ALLOC(g->xb, (size_t)T * H, float);
+    ALLOC(g->xq, (size_t)3 * ((H + 7) / 8), uint4);
     ALLOC(g->qkvg, (size_t)T * NQ, float);
     ALLOC(g->att, (size_t)T * QD, float);
     ALLOC(g->mlp_h, (size_t)T * 2 * hid, float);
@@ -3942,7 +3979,7 @@ extern "C" void gpu_free(GpuModel *g) {
                    g->part_o, g->part_ml, g->tokens, g->pos, g->d_step, g->sample_s, g->counters, g->router_logits, g->topk_idx, g->topk_w,
                    g->pair_w, g->pair_tok, g->inv, g->start, g->active, g->n_active, g->h_pair, g->hs, g->y_pair,
                    g->ys, g->x_sorted, g->act_sorted, g->gptr, g->blk_cnt, g->tile_start, g->ids, g->taps, g->cat,
-                   g->ctxv, g->wdq, g->act_few};
+                   g->ctxv, g->wdq, g->act_few, g->xq};
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++) if (dev[i]) cudaFree(dev[i]);
     for (int i = 0; i < 2; i++) if (g->step_done[i]) cudaEventDestroy(g->step_done[i]);
     void *host[] = {g->h_tokens, g->h_logits, g->h_step, g->h_start, g->h_gptr, g->h_ids};
@@ -4273,11 +4310,11 @@ static void mlp_decode(GpuModel *g, int l) {
      * against 4), and bf16 at 2 no different (H200, XS-2.1; dev/gpu_notes.md round 20). */
     const bool gu_cols = (!is_q<W> || (!g->qwarp && H % 8 == 0)) && H <= 2048 && !g->moe_general;
     constexpr int RU = 4;                           /* units a column-slice block */
-#define GATE_UP(EGU, NI, KA) do { \
+#define GATE_UP(EGU, NI, KA, XQ) do { \
         if (gu_cols) { \
             launch(g, moe_gate_up_cols<W, RU>, dim3((L->hid + RU - 1) / RU + (KA) * ((I + RU - 1) / RU)), dim3(256), 0, \
                    EGU, I, gate_up, L->hid, H, (const float *)g->xb, (const int *)g->active, (const int *)(NI), \
-                   g->h_pair, (KA) ? g->hs : g->mlp_act); \
+                   g->h_pair, (KA) ? g->hs : g->mlp_act, (const uint4 *)(XQ)); \
         } else if (H <= 2048 && !g->moe_general) launch(g, moe_gate_up_decode<W, 64 / Fmt<W>::CH>, \
                               dim3((L->hid + 8 * RG - 1) / (8 * RG) + (KA) * ((I + 8 * RG - 1) / (8 * RG))), dim3(256), 0, \
                               EGU, I, gate_up, L->hid, H, (const float *)g->xb, \
@@ -4290,7 +4327,7 @@ static void mlp_decode(GpuModel *g, int l) {
     if (L->dense) {
         launch(g, rmsnorm_kernel, dim3(1), dim3(256), 0, g->xb, (const float *)g->x, H, (const float *)L->ffn_norm, H,
                c->norm_eps, (bf16 *)NULL);
-        GATE_UP(WPtr(NULL), NULL, 0);
+        GATE_UP(WPtr(NULL), NULL, 0, NULL);
         launch(g, moe_down_decode<W>, dim3((H + 7) / 8), dim3(256), 0, g->x, WPtr(NULL), 0, down,
                L->hid, H, NULL, NULL, NULL, NULL, (const float *)g->mlp_act, 0.0f);
         return;
@@ -4298,13 +4335,16 @@ static void mlp_decode(GpuModel *g, int l) {
     /* route: router logits from the normed x (the norm folded into the matvec, which also leaves xb) and the
      * top-k plan, one launch; the router is never quantized (P: bf16 or f32) */
     /* bf16 / f32: the shared expert's gate/up as more blocks of the router's launch (router_decode's SH) */
+    /* (q8 / q4 there too was +0.4% for q8, nothing for q4, and slower with xq below: dev/gpu_notes.md, round 24) */
     const bool shared_in_router = !is_q<W> && gu_cols && H % 8 == 0 && L->hid > 0;
     const int nbr = (c->n_experts + 1) / 2, sh = shared_in_router ? (L->hid + 3) / 4 : 0;   /* router, shared blocks */
-#define ROUTE(N) launch(g, shared_in_router ? router_decode<P, N, true> : router_decode<P, N, false>, dim3(nbr + sh), \
+    /* q8 / q4: the router's block 0 leaves x quantized for the gate/up blocks (xq) */
+    uint4 *xq = is_q<W> && gu_cols && H % 8 == 0 ? g->xq : NULL;
+#define ROUTE(N) launch(g, shared_in_router ? router_decode<P, N, true, W> : router_decode<P, N, false, W>, dim3(nbr + sh), \
         dim3(256), 0, g->router_logits, \
         WPtr(L->router), c->n_experts, H, (const float *)g->x, (const float *)L->ffn_norm, c->norm_eps, g->xb, \
         (const float *)L->expert_bias, K, c->router_softcap, g->start, g->pair_tok, g->pair_w, g->active, \
-        g->n_active, g->counters, WPtr(L->gate_up), L->hid, g->hs, nbr)
+        g->n_active, g->counters, gate_up, L->hid, g->hs, nbr, xq)
     if (H <= 2048) ROUTE(1);
     else if (H <= 4096) ROUTE(2);
     else if (H <= 8192) ROUTE(4);
@@ -4312,8 +4352,9 @@ static void mlp_decode(GpuModel *g, int l) {
 #undef ROUTE
     if (shared_in_router)                           /* the routed experts only */
         launch(g, moe_gate_up_cols<W, RU>, dim3(K * ((I + RU - 1) / RU)), dim3(256), 0, egu, I, gate_up, 0, H,
-               (const float *)g->xb, (const int *)g->active, (const int *)g->n_active, g->h_pair, g->hs);
-    else GATE_UP(egu, g->n_active, K);
+               (const float *)g->xb, (const int *)g->active, (const int *)g->n_active, g->h_pair, g->hs,
+               (const uint4 *)xq);
+    else GATE_UP(egu, g->n_active, K, xq);
 #undef GATE_UP
     /* the down projections: by column slices where the row fits 3 chunks a thread, else a warp a row */
     if (!is_q<W> || !g->qwarp)
