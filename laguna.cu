@@ -414,6 +414,61 @@ template <typename W> __device__ __forceinline__ XQ8 load_xq(const uint4 *p) {
     } else q.start_l = q.start_m = q.start_h = 0;
     return q;
 }
+/* 4 values at one scale, quant_x8's rounding: (lo, mid, hi, the scale's bits). Decode's gate/up blocks write h 4
+ * units a block, so a chunk of 8 h values (what a down thread reads) comes from two blocks, each quantizing its half:
+ * h quantized once for every down block, which would each quantize the same values again. q4's bytes are in the
+ * order 0 2 1 3, as cols8_dot_halves splits a q4 unit's nibbles. On the H200 (XS-2.1, 512 / 8K): q4 568.8 / 518.7 ->
+ * 572.8 / 522.7 tok/s, q8 unchanged (556.4 / 507.9 -> 556.5 / 508.1; dev/gpu_notes.md, round 24). */
+template <typename W> __device__ __forceinline__ uint4 quant_x4(const float x[4]) {
+    float m = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; i++) m = fmaxf(m, fabsf(x[i]));
+    const int e = (int)(__float_as_uint(m) >> 23);
+    if (e < 22) return make_uint4(0u, 0u, 0u, 0u);
+    if (e == 255) return make_uint4(0u, 0u, 0u, 0x7fc00000u);
+    const float inv = __uint_as_float((uint32_t)(254 + 21 - e) << 23);
+    uint32_t lo = 0, mid = 0, hi = 0;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const int v = __float_as_int(fmaf(x[i], inv, 12582912.0f)) - MAGIC_1P5_2P23;   /* round(x * inv) */
+        const int b = Fmt<W>::DT == DT_Q4 ? (i == 1 ? 2 : i == 2 ? 1 : i) : i;
+        lo |= (uint32_t)(v & 255) << (8 * b);
+        mid |= (uint32_t)((v >> 8) & 255) << (8 * b);
+        hi |= (uint32_t)((v >> 16) & 255) << (8 * b);
+    }
+    return make_uint4(lo, mid, hi, (uint32_t)(e - 21) << 23);
+}
+/* start + the sum of a's 4 bytes times b's, as a float (exact: the dp4a starts at the bits of 1.5 * 2^23) */
+template <bool AS, bool BS> __device__ __forceinline__ float byte_sum(uint32_t a, uint32_t b, int start) {
+    return __int_as_float(dp4a<AS, BS>(a, b, MAGIC_1P5_2P23 + start)) - 12582912.0f;
+}
+/* cols8_dot with x as two quant_x4 halves (values 0-3 in a, 4-7 in b), each at its own scale */
+template <typename W, int R>
+__device__ __forceinline__ void cols8_dot_halves(const typename Cols8<W>::T *c, const uint4 &a, const uint4 &b,
+                                                 float *acc) {
+    constexpr bool S8 = Fmt<W>::DT == DT_Q8;
+    int sa[3] = {0, 0, 0}, sb[3] = {0, 0, 0};      /* q4: -8 * the byte sums (lo, mid, hi): the nibbles' offset */
+    if constexpr (!S8) {
+        sa[0] = -8 * dp4a<false, false>(a.x, 0x01010101u, 0); sb[0] = -8 * dp4a<false, false>(b.x, 0x01010101u, 0);
+        sa[1] = -8 * dp4a<false, false>(a.y, 0x01010101u, 0); sb[1] = -8 * dp4a<false, false>(b.y, 0x01010101u, 0);
+        sa[2] = -8 * dp4a<true, false>(a.z, 0x01010101u, 0); sb[2] = -8 * dp4a<true, false>(b.z, 0x01010101u, 0);
+    }
+    const float as = __uint_as_float(a.w), bs = __uint_as_float(b.w);
+#pragma unroll
+    for (int j = 0; j < R; j++) {
+        uint32_t w0, w1;                            /* the weights of values 0-3 and 4-7, in x's byte order */
+        if constexpr (S8) { w0 = c[j].v.x; w1 = c[j].v.y; }
+        else {                                      /* even (0 2 4 6) and odd (1 3 5 7) nibbles -> (0 2 1 3) (4 6 5 7) */
+            const uint32_t ev = c[j].v & 0x0F0F0F0Fu, od = (c[j].v >> 4) & 0x0F0F0F0Fu;
+            w0 = __byte_perm(ev, od, 0x5410); w1 = __byte_perm(ev, od, 0x7632);
+        }
+        const float d0 = fmaf(byte_sum<true, S8>(a.z, w0, sa[2]), 65536.0f,   /* 65536 hi + 256 mid + lo */
+                              fmaf(byte_sum<false, S8>(a.y, w0, sa[1]), 256.0f, byte_sum<false, S8>(a.x, w0, sa[0])));
+        const float d1 = fmaf(byte_sum<true, S8>(b.z, w1, sb[2]), 65536.0f,
+                              fmaf(byte_sum<false, S8>(b.y, w1, sb[1]), 256.0f, byte_sum<false, S8>(b.x, w1, sb[0])));
+        acc[j] = fmaf(__half2float(__ushort_as_half(c[j].s)), fmaf(as, d0, bs * d1), acc[j]);
+    }
+}
 /* acc[j] += c[j] . x for R chunks of R rows at the same columns: n of the chunk's CH columns lie inside the row (the
  * last chunk of a quantized row may be partial; n is a multiple of 8); x8(b, f) loads the 8 activations of sub-chunk
  * b. Quantized: the sub-chunks' sum times the group's scale. */
@@ -2315,7 +2370,7 @@ __global__ void __launch_bounds__(256) moe_gate_up_decode(WPtr experts_gu, int I
 template <typename W, int R>
 __global__ void __launch_bounds__(256) moe_gate_up_cols(WPtr experts_gu, int I, WPtr always_gu, int S, int H,
                                                         const float *xb, const int *active, const int *n_active,
-                                                        float *h_pair, float *hs, const uint4 *xq) {
+                                                        float *h_pair, float *hs, const uint4 *xq, uint4 *hq) {
     TRACE_BLOCK();
     constexpr int CH = 8;                           /* columns a thread (Cols8) */
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nbS = (S + R - 1) / R, b = blockIdx.x;
@@ -2334,6 +2389,7 @@ __global__ void __launch_bounds__(256) moe_gate_up_cols(WPtr experts_gu, int I, 
                 c[R + j] = load8<W>(wrow<W>(base, row0 + hid + i, H), k);
             }
     };
+    uint4 *hq_dst = hq;                             /* q8 / q4: h quantized (hq: S units, then the pairs') */
     if (b < nbS) { i0 = b * R; base = always_gu; hid = S; dst = hs; load(); }
     griddep_wait();                                 /* the router's plan and xb */
     griddep_launch();
@@ -2345,6 +2401,7 @@ __global__ void __launch_bounds__(256) moe_gate_up_cols(WPtr experts_gu, int I, 
         row0 = (size_t)active[a] * 2 * I;
         hid = I;
         dst = h_pair + (size_t)a * I;
+        hq_dst = hq + (S + (size_t)a * I) / 4;
         TRACE_MARK(0);
         load();
     }
@@ -2370,10 +2427,20 @@ __global__ void __launch_bounds__(256) moe_gate_up_cols(WPtr experts_gu, int I, 
     float v = warp_reduce_rows<2 * R>(acc, lane);
     if (lane % (16 / R) == 0) red[warp][lane / (16 / R)] = v;
     __syncthreads();
-    if (tid < R && i0 + tid < hid) {
-        float gs = 0.0f, us = 0.0f;
-        for (int w = 0; w < 8; w++) { gs += red[w][tid]; us += red[w][R + tid]; }
-        dst[i0 + tid] = silu(gs) * us;
+    if (warp == 0) {
+        float hv = 0.0f;
+        if (lane < R && i0 + lane < hid) {
+            float gs = 0.0f, us = 0.0f;
+            for (int w = 0; w < 8; w++) { gs += red[w][lane]; us += red[w][R + lane]; }
+            dst[i0 + lane] = hv = silu(gs) * us;
+        }
+        if constexpr (is_q<W> && R % 4 == 0)
+            if (hq) {                               /* every 4 units' h as one quant_x4 (for moe_down_cols) */
+                float v[4];
+#pragma unroll
+                for (int t = 0; t < 4; t++) v[t] = __shfl_sync(0xffffffffu, hv, (lane & ~3) + t);
+                if (lane < R && lane % 4 == 0) hq_dst[(i0 + lane) / 4] = quant_x4<W>(v);
+            }
     }
 }
 
@@ -2385,11 +2452,11 @@ __global__ void __launch_bounds__(256) moe_gate_up_cols(WPtr experts_gu, int I, 
  * (bf16, 512 / 8K): 401.9 / 377.5 tok/s with moe_down_decode, 413.5 / 385.9 with this at R = 4, 372.4 / 351.0 at
  * R = 2 (dev/gpu_notes.md, round 10). Round 9's version read each chunk's h after the previous chunk's sums (likely
  * dependent L2 round trips) and was not faster than moe_down_decode. */
-template <typename W, int R, int NC>
+template <typename W, int R, int NC, bool HQ>     /* HQ: q8 / q4 h read as gate/up's quant_x4 halves (hq) */
 __global__ void __launch_bounds__(256) moe_down_cols(float *x, WPtr experts_down, int I, WPtr always_down, int S,
                                                      int H, const int *active, const int *n_active,
                                                      const float *pair_w, const float *h_pair, const float *hs,
-                                                     float scaling) {
+                                                     const uint4 *hq, float scaling) {
     TRACE_BLOCK();
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, r0 = blockIdx.x * R;
     const int na = n_active ? *n_active : 0, cI = I / 8, nq = na * cI + S / 8;
@@ -2412,10 +2479,15 @@ __global__ void __launch_bounds__(256) moe_down_cols(float *x, WPtr experts_down
     griddep_wait();                                 /* h_pair and hs */
     griddep_launch();
     float h[NC][8], wa[NC];
+    uint4 hx[NC][2];                                /* HQ: chunk u's two quantized halves */
 #pragma unroll
     for (int u = 0; u < NC; u++) {                  /* every h value first: the loads go out together */
         const bool live = tid + 256 * u < nq, routed = seg[u] < na;
-        if (live) load_x8(routed ? h_pair + (size_t)seg[u] * I + kk[u] : hs + kk[u], h[u]);
+        if constexpr (HQ) {
+            const uint4 *p = hq + (routed ? S + (size_t)seg[u] * I + kk[u] : kk[u]) / 4;
+            hx[u][0] = live ? p[0] : make_uint4(0u, 0u, 0u, 0u);
+            hx[u][1] = live ? p[1] : make_uint4(0u, 0u, 0u, 0u);
+        } else if (live) load_x8(routed ? h_pair + (size_t)seg[u] * I + kk[u] : hs + kk[u], h[u]);
         else for (int i = 0; i < 8; i++) h[u][i] = 0.0f;
         wa[u] = live && routed ? pair_w[seg[u]] : 0.0f;
     }
@@ -2426,6 +2498,7 @@ __global__ void __launch_bounds__(256) moe_down_cols(float *x, WPtr experts_down
         float part[R] = {};
         if constexpr (!is_q<W>)
             chunk_dot<W, R>(c[u], 8, [&](int, float f[8]) { for (int i = 0; i < 8; i++) f[i] = h[u][i]; }, part);
+        else if constexpr (HQ) cols8_dot_halves<W, R>(c[u], hx[u][0], hx[u][1], part);
         else cols8_dot<W, R>(c[u], quant_x8<W>(h[u]), part);
 #pragma unroll
         for (int j = 0; j < R; j++) {
@@ -3422,6 +3495,7 @@ struct GpuModel {
     int dup, nlaunch;        /* LAGUNA_DUP=k: the k-th decode launch of every layer enqueued twice (a timing hook) */
     int down_warp;           /* LAGUNA_DOWN_WARP=1: decode's down projections by moe_down_decode (q8 / q4's kernel) */
     uint4 *xq;               /* q8 / q4 decode: the normed x quantized once by the router for gate/up (quant_x8) */
+    uint4 *hq;               /* q8 / q4 decode: h quantized once by gate/up for down (quant_x4: shared, then routed) */
     int qwarp;               /* LAGUNA_QWARP=1: q8 / q4 decode matvecs and experts by the warp kernels, not column slices */
     int few;                 /* bf16 GEMMs and experts of 2..16 tokens on tensor cores (gemm_few; LAGUNA_NO_FEW=1: cuBLAS
                                 and the warp kernels, a test and timing hook) */
@@ -3888,6 +3962,7 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
         ALLOC(g->n_active, 1, int);
         ALLOC(g->h_pair, 2 * P * 2 * I, float);        /* x2: the padded batched GEMM */
         ALLOC(g->hs, (size_t)T * S, float);
+        ALLOC(g->hq, ((size_t)hid + (size_t)K * I) / 4 + 1, uint4);
         ALLOC(g->y_pair, 2 * P * H, float);
         ALLOC(g->ys, (size_t)T * H, float);
         ALLOC(g->x_sorted, (P + T) * H * dsize(g), char);   /* + T rows: padding reads past the last expert */
@@ -3979,7 +4054,7 @@ extern "C" void gpu_free(GpuModel *g) {
                    g->part_o, g->part_ml, g->tokens, g->pos, g->d_step, g->sample_s, g->counters, g->router_logits, g->topk_idx, g->topk_w,
                    g->pair_w, g->pair_tok, g->inv, g->start, g->active, g->n_active, g->h_pair, g->hs, g->y_pair,
                    g->ys, g->x_sorted, g->act_sorted, g->gptr, g->blk_cnt, g->tile_start, g->ids, g->taps, g->cat,
-                   g->ctxv, g->wdq, g->act_few, g->xq};
+                   g->ctxv, g->wdq, g->act_few, g->xq, g->hq};
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++) if (dev[i]) cudaFree(dev[i]);
     for (int i = 0; i < 2; i++) if (g->step_done[i]) cudaEventDestroy(g->step_done[i]);
     void *host[] = {g->h_tokens, g->h_logits, g->h_step, g->h_start, g->h_gptr, g->h_ids};
@@ -4309,12 +4384,17 @@ static void mlp_decode(GpuModel *g, int l) {
      * units a block (a block's bytes as bf16's): 4 made decode 4.4% (q8) and 2.0% (q4) faster at 512, 2 slower (-2.4%
      * against 4), and bf16 at 2 no different (H200, XS-2.1; dev/gpu_notes.md round 20). */
     const bool gu_cols = (!is_q<W> || (!g->qwarp && H % 8 == 0)) && H <= 2048 && !g->moe_general;
+    /* down: by column slices where the row fits 3 chunks a thread, else a warp a row */
+    const bool down_cols = (!is_q<W> || !g->qwarp) && !g->down_warp && (K * I + L->hid) / 8 <= 3 * 256 &&
+                           I % 8 == 0 && L->hid % 8 == 0;
+    /* q8 / q4: gate/up by column slices leaves h quantized for them (hq; the shared expert's S units, then the pairs') */
+    uint4 *hq = is_q<W> && gu_cols && down_cols && !L->dense ? g->hq : NULL;
     constexpr int RU = 4;                           /* units a column-slice block */
 #define GATE_UP(EGU, NI, KA, XQ) do { \
         if (gu_cols) { \
             launch(g, moe_gate_up_cols<W, RU>, dim3((L->hid + RU - 1) / RU + (KA) * ((I + RU - 1) / RU)), dim3(256), 0, \
                    EGU, I, gate_up, L->hid, H, (const float *)g->xb, (const int *)g->active, (const int *)(NI), \
-                   g->h_pair, (KA) ? g->hs : g->mlp_act, (const uint4 *)(XQ)); \
+                   g->h_pair, (KA) ? g->hs : g->mlp_act, (const uint4 *)(XQ), (KA) ? hq : NULL); \
         } else if (H <= 2048 && !g->moe_general) launch(g, moe_gate_up_decode<W, 64 / Fmt<W>::CH>, \
                               dim3((L->hid + 8 * RG - 1) / (8 * RG) + (KA) * ((I + 8 * RG - 1) / (8 * RG))), dim3(256), 0, \
                               EGU, I, gate_up, L->hid, H, (const float *)g->xb, \
@@ -4353,17 +4433,16 @@ static void mlp_decode(GpuModel *g, int l) {
     if (shared_in_router)                           /* the routed experts only */
         launch(g, moe_gate_up_cols<W, RU>, dim3(K * ((I + RU - 1) / RU)), dim3(256), 0, egu, I, gate_up, 0, H,
                (const float *)g->xb, (const int *)g->active, (const int *)g->n_active, g->h_pair, g->hs,
-               (const uint4 *)xq);
+               (const uint4 *)xq, (uint4 *)NULL);   /* (bf16 / f32 only: no hq) */
     else GATE_UP(egu, g->n_active, K, xq);
 #undef GATE_UP
-    /* the down projections: by column slices where the row fits 3 chunks a thread, else a warp a row */
-    if (!is_q<W> || !g->qwarp)
-        if (!g->down_warp && (K * I + L->hid) / 8 <= 3 * 256 && I % 8 == 0 && L->hid % 8 == 0) {
-            launch(g, moe_down_cols<W, 4, 3>, dim3((H + 3) / 4), dim3(256), 0, g->x, edn, I, down, L->hid, H,
-                   (const int *)g->active, (const int *)g->n_active, (const float *)g->pair_w,
-                   (const float *)g->h_pair, (const float *)g->hs, c->routed_scaling);
-            return;
-        }
+    if (down_cols) {
+        launch(g, hq ? moe_down_cols<W, 4, 3, is_q<W>> : moe_down_cols<W, 4, 3, false>, dim3((H + 3) / 4), dim3(256), 0,
+               g->x, edn, I, down, L->hid, H, (const int *)g->active, (const int *)g->n_active,
+               (const float *)g->pair_w, (const float *)g->h_pair, (const float *)g->hs, (const uint4 *)hq,
+               c->routed_scaling);
+        return;
+    }
     launch(g, moe_down_decode<W>, dim3((H + 7) / 8), dim3(256), 0, g->x, edn, I, down, L->hid, H,
            (const int *)g->active, (const int *)g->n_active, (const float *)g->pair_w, (const float *)g->h_pair,
            (const float *)g->hs, c->routed_scaling);
