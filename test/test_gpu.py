@@ -1008,11 +1008,15 @@ def test_gpu_quant_logits_match_cpu(laguna_gpu, exported, name, dtype, tmp_path)
     assert "gpu:" in r.stderr and f"({dtype})" in r.stderr, r.stderr
     cpu, _ = score(laguna_gpu, m, sc, tmp_path, "--cpu")
     worst = 0.0
-    # decode (--chunk 1) by column slices, and by the warp kernels (LAGUNA_QWARP=1: the path for rows whose width is
-    # not a multiple of 8, which no fixture has)
+    # decode (--chunk 1) by column slices (gate/up leaving h quantized for the down projections), by the warp
+    # kernels (LAGUNA_QWARP=1: the path for rows whose width is not a multiple of 8, which no fixture has), and with
+    # the general gate/up kernel (LAGUNA_MOE_GENERAL=1: hidden sizes above 2048), whose float h the column-slice down
+    # projections quantize themselves
     qwarp = dict(os.environ, LAGUNA_QWARP="1")
+    general = dict(os.environ, LAGUNA_MOE_GENERAL="1")
     for label, extra, env in (("one pass", (), None), ("--chunk 1", ("--chunk", "1"), None),
-                              ("--chunk 7", ("--chunk", "7"), None), ("--chunk 1, warp kernels", ("--chunk", "1"), qwarp)):
+                              ("--chunk 7", ("--chunk", "7"), None), ("--chunk 1, warp kernels", ("--chunk", "1"), qwarp),
+                              ("--chunk 1, general gate/up", ("--chunk", "1"), general)):
         got, _ = score(laguna_gpu, m, sc, tmp_path, *extra, env=env)
         d, d_tie = quant_diff(got, cpu, name, dtype)
         note = f"; rows of the near-tie at {NEAR_TIES[(name, dtype)][0]}: {d_tie:.3g}" if (name, dtype) in NEAR_TIES else ""
