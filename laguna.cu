@@ -4420,7 +4420,8 @@ static void mlp_decode(GpuModel *g, int l) {
     const int nbr = (c->n_experts + 1) / 2, sh = shared_in_router ? (L->hid + 3) / 4 : 0;   /* router, shared blocks */
     /* q8 / q4: the router's block 0 leaves x quantized for the gate/up blocks (xq) */
     uint4 *xq = is_q<W> && gu_cols && H % 8 == 0 ? g->xq : NULL;
-#define ROUTE(N) launch(g, shared_in_router ? router_decode<P, N, true, W> : router_decode<P, N, false, W>, dim3(nbr + sh), \
+#define ROUTE(N) launch(g, shared_in_router ? router_decode<P, N, !is_q<W>, W> : router_decode<P, N, false, W>, \
+        dim3(nbr + sh), /* (q8 / q4: never shared_in_router, no SH instance) */ \
         dim3(256), 0, g->router_logits, \
         WPtr(L->router), c->n_experts, H, (const float *)g->x, (const float *)L->ffn_norm, c->norm_eps, g->xb, \
         (const float *)L->expert_bias, K, c->router_softcap, g->start, g->pair_tok, g->pair_w, g->active, \
