@@ -1487,8 +1487,9 @@ __global__ void attention_scalar(const float *qkvg, int NQ, int n, int g, int nh
  *   15's warp a head: +2.0% / +0.9%; a thread a dim: 0.27 us less in the trace, round 16).
  *   The next tile's loads are issued before the current one is computed.
  * - The last active block of each kv head merges the splits in split order (deterministic) and applies the gate;
- *   with CL > 0 (sliding layers on sm_90) the CL splits of a kv head are one thread-block cluster instead, and block
- *   j merges head j from the others' shared memory (no fence, counter or global partials). */
+ *   with CL > 0 (on sm_90: sliding layers, and full layers that never see more than full_cluster_keys keys) the CL
+ *   splits of a kv head are one thread-block cluster instead, and block j merges head j from the others' shared
+ *   memory (no fence, counter or global partials). */
 struct KV8 { uint4 a, b; };   /* 8 cache values in flight: fp8 uses a.x and a.y, bf16 a, f32 a and b */
 __device__ __forceinline__ KV8 kv_raw(const fp8 *p) {
     uint2 w = ld_stream8(p);
@@ -3518,6 +3519,7 @@ struct GpuModel {
     double prof_ms[32];
     int moe_general;         /* LAGUNA_MOE_GENERAL=1: decode's gate/up by the general kernel (what H > 2048 takes) */
     int attn_cluster;        /* one-token attention of sliding layers as clusters of this many splits (0: global merge) */
+    int full_cluster_keys;   /* ... and of full layers that never see more keys than this (full_cluster()) */
     int cluster_y;           /* set while launching a clustered kernel (launch()) */
     int cc_major;            /* compute capability (clusters need 9) */
     int fused_split[2];      /* attention_decode_fused splits per layer type */
@@ -3807,6 +3809,8 @@ static int split_for(const GpuModel *g, int keys, int row_blocks, int n) {
 }
 
 static void capture_decode(GpuModel *g);
+static int fused_decode_attention(const GpuModel *g, int l, int n);
+static int full_cluster(const GpuModel *g, int l);
 static void capture_taps(GpuModel *g, int l, int n);
 
 #define GFAIL(...) do { snprintf(err, errsz, __VA_ARGS__); gpu_free(g); return NULL; } while (0)
@@ -4011,7 +4015,7 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
         int f = fu < most ? fu : most;
         g->fused_split[ATTN_FULL] = f < 1 ? 1 : f > 128 ? 128 : f;
         /* sliding layers: clusters of 16 splits (non-portable size) if this GPU can co-schedule them, else 8;
-         * LAGUNA_ATTN_CLUSTER=0/8/16 chooses (0: the global merge, as full layers always use) */
+         * LAGUNA_ATTN_CLUSTER=0/8/16 chooses (0: the global merge everywhere) */
         const char *e = getenv("LAGUNA_ATTN_CLUSTER");
         int want = e ? atoi(e) : 16;
         g->attn_cluster = 0;
@@ -4024,18 +4028,25 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
             if (ok) g->attn_cluster = cl;
         }
         if (g->attn_cluster) g->fused_split[ATTN_SLIDING] = g->attn_cluster;
+        e = getenv("LAGUNA_FULL_CLUSTER_KEYS");      /* a test / tuning hook: 0 keeps full layers on the global merge */
+        g->full_cluster_keys = e ? atoi(e) : 2048;
     }
     prefill_kernels_setup();
     if (g->use_graph && !c->block_size) capture_decode(g);    /* captured once here; replayed at every position */
     CUDA_CHECK(cudaDeviceSynchronize());
     size_t fr, tot;
     CUDA_CHECK(cudaMemGetInfo(&fr, &tot));
+    int full_clusters = 0, la = g->long_attn;       /* (as the step before long_from runs them) */
+    g->long_attn = 0;
+    for (int l = 0; l < c->n_layers; l++) full_clusters |= fused_decode_attention(g, l, 1) && full_cluster(g, l);
+    g->long_attn = la;
     snprintf(g->summary, sizeof g->summary, "weights %.2f GiB (%s), KV cache %.2f GiB (%s, %d positions), "
-             "activations %.2f GiB, GPU memory in use %.1f of %.1f GiB%s",
+             "activations %.2f GiB, GPU memory in use %.1f of %.1f GiB%s%s",
              g->wbytes / 1073741824.0, g->wdt == DT_Q8 ? "q8" : g->wdt == DT_Q4 ? "q4" : g->bf ? "bf16" : "f32",
              g->kvbytes / 1073741824.0, kv_name(g), ctx,
              g->actbytes / 1073741824.0, (tot - fr) / 1073741824.0, tot / 1073741824.0,
-             g->attn_cluster == 16 ? ", attention clusters 16" : g->attn_cluster == 8 ? ", attention clusters 8" : "");
+             g->attn_cluster == 16 ? ", attention clusters 16" : g->attn_cluster == 8 ? ", attention clusters 8" : "",
+             full_clusters ? " (full layers too)" : "");
     return g;
 }
 
@@ -4300,15 +4311,29 @@ static void matvec_dt(GpuModel *g, int dt, float *out, const void *w, int rows, 
  * 104 tok/s before, 316.8 / 290.9 / 215.5 after; at 512 the two extra launches cost 0.8%, at 2048 it was 1.8%
  * faster and at 4096 4.5% (round 7), so positions below long_from (1024) keep the fused kernel (a second decode
  * graph). Serves bf16 files with a bf16 or fp8 cache (the flash kernel's inputs). */
+static int long_capable(const GpuModel *g, int l) {   /* could layer l take attention_flash<KS> (from long_from)? */
+    return g->c.layer_type[l] == ATTN_FULL && g->c.causal && g->kv != KV_F32 && g->bf && !g->attn_scalar &&
+           g->L[l].nh / g->c.n_kv_heads <= 16;
+}
 static int long_decode_attention(const GpuModel *g, int l, int n) {
-    return n == 1 && g->long_attn && g->c.layer_type[l] == ATTN_FULL && g->c.causal && g->kv != KV_F32 && g->bf &&
-           !g->attn_scalar && g->L[l].nh / g->c.n_kv_heads <= 16;
+    return n == 1 && g->long_attn && long_capable(g, l);
 }
 /* one token with the fused decode attention (q/k norm and RoPE inside): group <= 8, D a power of two 16..128 */
 static int fused_decode_attention(const GpuModel *g, int l, int n) {
     int D = g->c.head_dim;
     return n == 1 && g->c.gated && g->c.causal && g->L[l].nh / g->c.n_kv_heads <= 8 && !g->attn_scalar &&
            (D == 16 || D == 32 || D == 64 || D == 128) && !long_decode_attention(g, l, n);
+}
+
+/* Full layers' one-token fused attention as clusters too, where it never sees more than full_cluster_keys keys: below
+ * long_from where the long-context kernel takes the rest, or a context that small. A cluster of 16 splits then runs
+ * at most 128 keys a split (4 tiles at D = 128) and merges in shared memory; the global merge (up to 4 blocks an SM of splits, a fence, a
+ * counter and the last block reloading the partials) is for the contexts past that. On the H200 (XS-2.1, bf16, 512):
+ * a full layer's attention 12.05 -> 9.76 us in the trace, decode 475.8 -> 479.6 tok/s (dev/gpu_notes.md, round 25).
+ * Decided per model, so the graph and plain launches run the same kernel at every position. */
+static int full_cluster(const GpuModel *g, int l) {
+    const int most = long_capable(g, l) && g->long_from < g->ctx ? g->long_from : g->ctx;
+    return g->c.layer_type[l] == ATTN_FULL && g->attn_cluster && most <= g->full_cluster_keys;
 }
 
 static void attention(GpuModel *g, int l, int n, int pos) {
@@ -4321,8 +4346,9 @@ static void attention(GpuModel *g, int l, int n, int pos) {
     int nsplit = 1;
     if (fused_decode_attention(g, l, n)) {
         /* one token: q/k norm, RoPE, the K/V append, split-K attention, merge and gate in one launch; sliding layers
-         * (at most W keys) as one cluster of attn_cluster splits per kv head, merged in shared memory */
-        const int CLU = sliding ? g->attn_cluster : 0;
+         * (at most W keys) and full layers below full_cluster_keys as one cluster of attn_cluster splits per kv head,
+         * merged in shared memory */
+        const int CLU = sliding || full_cluster(g, l) ? g->attn_cluster : 0;
         nsplit = CLU ? CLU : g->fused_split[c->layer_type[l]];
         int gate_off = L->nh * D + 2 * c->kv_dim, t = c->layer_type[l];
         g->cluster_y = CLU;

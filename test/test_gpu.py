@@ -204,6 +204,40 @@ def test_gpu_long_context_decode_attention(laguna_gpu, exported, kv, tmp_path):
         assert d <= TOL_BF16
 
 
+@pytest.mark.parametrize("name", ["xs2_f32", "variant", "long"])
+def test_gpu_full_layer_attention_clusters(laguna_gpu, exported, name, tmp_path):
+    """Full layers' one-token attention runs as a cluster of 16 splits per kv head (merged in shared memory) where it
+    never sees more than LAGUNA_FULL_CLUSTER_KEYS keys (2048: on bf16 files below long_from, 1024), else with the
+    global merge. The f32 fixtures' context (131,072) keeps them on the global merge; forced onto clusters (a bound of
+    10^9 keys), token by token: transformers' and the CPU's logits within the fp32 bar (the long fixture's 3000 keys
+    are ~6 tiles a split), and graph == plain launches, greedy. With the bound at 0 (the global merge everywhere) the
+    bf16 fixture, which takes clusters by default, decodes the same greedy tokens as the CPU."""
+    env = dict(os.environ, LAGUNA_FULL_CLUSTER_KEYS="1000000000")
+    ref = np.load(fx(name, "logits.npy"))
+    rows = np.load(fx(name, "rows.npy"))
+    cpu, _ = score(laguna_gpu, exported(name), fx(name, "score.txt"), tmp_path, "--cpu")
+    gpu, _ = score(laguna_gpu, exported(name), fx(name, "score.txt"), tmp_path, "--chunk", "1", env=env)
+    d_ref, d_cpu = float(np.abs(gpu[rows] - ref).max()), float(np.abs(gpu - cpu).max())
+    prompt = open(fx(name, "prompt.txt")).read().strip()
+    args = [laguna_gpu, exported(name), "--ids", prompt, "-t", "0", "-n", "24"]
+    g = run(args, env=env)
+    graph = g.stdout.split()
+    plain = run(args + ["-q"], env=dict(env, LAGUNA_NO_GRAPH="1")).stdout.split()
+    print(f"\n[gpu] {name} full layers on clusters, token by token: max |GPU - transformers| = {d_ref:.3g}, "
+          f"max |GPU - CPU| = {d_cpu:.3g} (bar {TOL_F32}); greedy graph == plain launches {graph == plain}")
+    assert "full layers too" in g.stderr
+    assert d_ref <= TOL_F32 and d_cpu <= TOL_F32 and len(graph) == 24 and graph == plain
+    if name == "xs2_f32":
+        bf = exported("xs21_bf16")
+        bargs = [laguna_gpu, bf, "--ids", open(fx("xs21_bf16", "prompt.txt")).read().strip(), "-t", "0", "-n", "24"]
+        dflt = run(bargs)
+        merged = run(bargs + ["-q"], env=dict(os.environ, LAGUNA_FULL_CLUSTER_KEYS="0"))
+        want = run(bargs + ["-q", "--cpu", "--kv", "bf16"]).stdout.split()
+        print(f"[gpu] xs21_bf16 greedy: clusters (default) == CPU --kv bf16 {dflt.stdout.split() == want}, "
+              f"global merge == CPU {merged.stdout.split() == want}")
+        assert "full layers too" in dflt.stderr and "full layers too" not in merged.stderr
+
+
 @pytest.mark.parametrize("name", ["xs21_bf16"])
 def test_gpu_bf16_kernels_exact_with_f32_kv(laguna_gpu, exported, name, tmp_path):
     """bf16 weights through the decode kernels with an f32 KV cache: the CPU's math, so the CPU's bar."""
