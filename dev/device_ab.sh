@@ -21,7 +21,7 @@
 # sets separated by ';'): one more trace per set with that environment (trace_env1.csv.gz, ...; tables to ab.txt), of
 # the $TRACE_ENV_DT file (default bf16).
 # $LABS: kernel labs (make targets, e.g. "dev/few_lab") built with B and run once after the builds, before the
-# benches, their output into ab.txt.
+# benches, their output into ab.txt ($LAB_TIMEOUT s each at most, default 300: dev/few_lab needs more than 120).
 # $ALTS: more builds to time beside A and B (directories prepared here with --prepare-alt DIR 'NVCC -D flags': this tree's
 # sources built with those flags; carry them with .ab), run after A in every round, labelled by their directory.
 # $TESTS=1: then the GPU tests (make test-gpu's) on B until $DEADLINE s (default 585) after the start (a call is 600 s at most),
@@ -73,7 +73,7 @@ for d in ${ALTS:-}; do echo "${d#.} = $(cat $d/REF)" >> "$S"; done
 echo "A = $(cat .ab/REF), B = this tree; built in $(( $(date +%s) - t0 )) s" >> "$S"
 wait $EXP || { tail -5 "$OUT/export.log" >> "$S"; exit 1; }   # no export running while timing
 echo "exported in $(( $(date +%s) - t0 )) s" >> "$S"
-for lab in ${LABS:-}; do echo "== $lab" >> "$S"; timeout 120 ./$lab >> "$S" 2>&1; echo "== $lab rc $?" >> "$S"; done
+for lab in ${LABS:-}; do echo "== $lab" >> "$S"; timeout ${LAB_TIMEOUT:-300} ./$lab >> "$S" 2>&1; echo "== $lab rc $?" >> "$S"; done
 CTX=${CTX:-512}
 for dt in $DTYPES; do
     f=/dev/shm/ab-$dt.bin
