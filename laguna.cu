@@ -4329,8 +4329,8 @@ static int fused_decode_attention(const GpuModel *g, int l, int n) {
 
 /* Full layers' one-token fused attention as clusters too, where it never sees more than full_cluster_keys keys: below
  * long_from where the long-context kernel takes the rest, or a context that small. A cluster of 16 splits then runs
- * at most 160 keys a split (5 tiles at D = 128) and merges in shared memory; the global merge (up to 4 blocks an SM of splits, a fence, a
- * counter and the last block reloading the partials) is for the contexts past that. On the H200 (XS-2.1, bf16, 512):
+ * at most 160 keys a split (5 tiles at D = 128) and merges in shared memory; the global merge (up to 4 blocks an SM
+ * of splits, a fence, a counter and the last block reloading the partials) is for the contexts past that. On the H200 (XS-2.1, bf16, 512):
  * a full layer's attention 12.05 -> 9.76 us in the trace, decode 475.8 -> 479.6 tok/s; at 2048 (positions
  * 2048-2183) 450.7 (the global merge) or 446.0 (the long-context kernel) -> 460.1 (dev/gpu_notes.md, round 25).
  * Decided per model, so the graph and plain launches run the same kernel at every position. */
