@@ -3830,7 +3830,7 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
      * stays f32 */
     g->kv = m->kv == KV_F32 || m->kv == KV_FP8 ? m->kv : g->bf ? KV_BF16 : KV_F32;
     g->attn_scalar = getenv("LAGUNA_ATTN_SCALAR") != NULL;
-    g->long_from = getenv("LAGUNA_LONG_FROM") ? atoi(getenv("LAGUNA_LONG_FROM")) : 2560;   /* a test / tuning hook */
+    g->long_from = getenv("LAGUNA_LONG_FROM") ? atoi(getenv("LAGUNA_LONG_FROM")) : 3584;   /* a test / tuning hook */
     g->use_graph = !getenv("LAGUNA_NO_GRAPH");    /* for the test that graph replay equals plain launches */
     g->pdl = !getenv("LAGUNA_NO_PDL");
     g->dup = getenv("LAGUNA_DUP") ? atoi(getenv("LAGUNA_DUP")) : -1;
@@ -4029,7 +4029,7 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
         }
         if (g->attn_cluster) g->fused_split[ATTN_SLIDING] = g->attn_cluster;
         e = getenv("LAGUNA_FULL_CLUSTER_KEYS");      /* a test / tuning hook: 0 keeps full layers on the global merge */
-        g->full_cluster_keys = e ? atoi(e) : 2560;
+        g->full_cluster_keys = e ? atoi(e) : 3584;
     }
     prefill_kernels_setup();
     if (g->use_graph && !c->block_size) capture_decode(g);    /* captured once here; replayed at every position */
@@ -4311,8 +4311,9 @@ static void matvec_dt(GpuModel *g, int dt, float *out, const void *w, int rows, 
  * 104 tok/s before, 316.8 / 290.9 / 215.5 after; at 512 the two extra launches cost 0.8%, at 2048 it was 1.8%
  * faster and at 4096 4.5% (round 7), against the fused kernel's global merge over many splits. Full layers' fused
  * kernel as a cluster (full_cluster(), round 25) is faster than this one at 2048: 446.0 -> 460.1 tok/s at positions
- * 2048-2183, 5 tiles a split. So positions below long_from (2560: at most 160 keys, 5 tiles, a split) keep the fused
- * kernel (a second decode graph). Serves bf16 files with a bf16 or fp8 cache (the flash kernel's inputs). */
+ * 2048-2183 (5 tiles a split), and at 3072-3207 441.1 -> 444.7 (7 tiles); at 4096 (9 tiles) slower, 439.0 -> 433.1
+ * (round 26). So positions below long_from (3584: at most 224 keys, 7 tiles, a split) keep the fused kernel (a second
+ * decode graph). Serves bf16 files with a bf16 or fp8 cache (the flash kernel's inputs). */
 static int long_capable(const GpuModel *g, int l) {   /* could layer l take attention_flash<KS> (from long_from)? */
     return g->c.layer_type[l] == ATTN_FULL && g->c.causal && g->kv != KV_F32 && g->bf && !g->attn_scalar &&
            g->L[l].nh / g->c.n_kv_heads <= 16;
@@ -4329,7 +4330,7 @@ static int fused_decode_attention(const GpuModel *g, int l, int n) {
 
 /* Full layers' one-token fused attention as clusters too, where it never sees more than full_cluster_keys keys: below
  * long_from where the long-context kernel takes the rest, or a context that small. A cluster of 16 splits then runs
- * at most 160 keys a split (5 tiles at D = 128) and merges in shared memory; the global merge (up to 4 blocks an SM
+ * at most 224 keys a split (7 tiles at D = 128) and merges in shared memory; the global merge (up to 4 blocks an SM
  * of splits, a fence, a counter and the last block reloading the partials) is for the contexts past that. On the H200 (XS-2.1, bf16, 512):
  * a full layer's attention 12.05 -> 9.76 us in the trace, decode 475.8 -> 479.6 tok/s; at 2048 (positions
  * 2048-2183) 450.7 (the global merge) or 446.0 (the long-context kernel) -> 460.1 (dev/gpu_notes.md, round 25).

@@ -180,7 +180,7 @@ def test_gpu_decode_attention_many_tiles(laguna_gpu, exported, kv, tmp_path):
 
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])
 def test_gpu_long_context_decode_attention(laguna_gpu, exported, kv, tmp_path):
-    """From position LAGUNA_LONG_FROM (2560; 0 here) full layers' one-token attention is the tensor-core kernel whose
+    """From position LAGUNA_LONG_FROM (3584; 0 here) full layers' one-token attention is the tensor-core kernel whose
     warps split the keys (with a second decode graph). On the bf16 fixture, token by token: with a bf16 cache the
     fused kernel's logits within the bf16 bar (measured 0.0094); greedy identical to the fused path's and graph ==
     plain launches with either cache. With an e4m3 cache the logits are printed, not held to the bar: the two paths
@@ -207,7 +207,7 @@ def test_gpu_long_context_decode_attention(laguna_gpu, exported, kv, tmp_path):
 @pytest.mark.parametrize("name", ["xs2_f32", "variant", "long"])
 def test_gpu_full_layer_attention_clusters(laguna_gpu, exported, name, tmp_path):
     """Full layers' one-token attention runs as a cluster of 16 splits per kv head (merged in shared memory) where it
-    never sees more than LAGUNA_FULL_CLUSTER_KEYS keys (default 2560, as long_from: bf16 files, whose full layers
+    never sees more than LAGUNA_FULL_CLUSTER_KEYS keys (default 3584, as long_from: bf16 files, whose full layers
     take the long-context kernel from there), else with the global merge. The f32 fixtures' context (131,072) keeps
     them on the global merge; forced onto clusters (a bound of 10^9 keys), token by token: transformers' and the
     CPU's logits within the fp32 bar (the long fixture's 3000 keys are ~6 tiles a split), and graph == plain
