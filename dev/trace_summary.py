@@ -8,7 +8,8 @@ before griddep_wait), cyc_wait,cyc_end (clock64 cycles start -> wait, wait -> en
 m0..m5 (TRACE_MARK(i): ns after the block's start, 0 if not reached; table (c) shows them after each block's wait).
 Table (d): the blocks themselves -- how many started before the previous grid ended (under PDL), how many of the
 grid's blocks were resident on average over its step and at most, and how long the blocks that started after the
-previous grid's end took from their start to their end.
+previous grid's end took from their start to their end. Table (e): for the grids that ran at most two blocks on any
+SM (the one-token attention's clusters), how many SMs ran two of them, and their blocks' end against the others'.
 Grids (one per kernel launch) are ordered by their first block's start. Per grid, in us from the step's first start:
 start / last start = first and last block start, wait = earliest griddep_wait return (a grid without any: its start),
 end = last block end; gap = wait - the previous grid's end, pre = wait - start (what PDL overlapped), span = end -
@@ -72,7 +73,7 @@ def load(path, use_clock):
         own_wait = (a[:, 4].astype(np.int64) - a[:, 3].astype(np.int64)).astype(np.float64)
         own_wait = np.where(waited, own_wait, 0.0)
         marks = np.where(m > 0, (m - own_wait[:, None]) / 1e3, np.nan)
-    return grid, ts, tw, te, waited, marks
+    return grid, ts, tw, te, waited, marks, smid
 
 
 def grids(grid, ts, tw, te, waited, marks):
@@ -161,7 +162,7 @@ def main():
     ap.add_argument("--brief", action="store_true", help="in (a) only the first two and the last layer")
     args = ap.parse_args()
     data = load(args.csv, args.clock)
-    g = grids(*data)
+    g = grids(*data[:6])
     n = len(g["blocks"])
     us = {k: g[k] / 1e3 for k in ("start", "last", "wait", "end", "gap", "pre", "span", "step", "launch")}
     layers = split_layers(g["blocks"], args.layers)
@@ -254,6 +255,33 @@ def main():
                     late = np.nanmean(r[:, 3]) / 1e3
                 print(f"  {names[j]:<14} {b:>6} {r[:, 0].mean():>6.0f} {r[:, 1].mean():>6.0f} {r[:, 2].mean():>6.0f} "
                       f"{late:>7.2f}")
+
+    if layers:
+        grid, tw, te, smid = data[0], data[2], data[3], data[6]
+        print("\n(e) grids of at most two blocks an SM: SMs that ran two or more of the grid's blocks, and the blocks' "
+              "own end after their wait on SMs with one block / with two or more (mean us; SMs: mean over the layers)")
+        for sig, lis in kinds.items():
+            names = NAMES.get(len(sig), [f"k{j}" for j in range(len(sig))])
+            rows = []
+            for j, b in enumerate(sig):
+                shared_sms, one, two = [], [], []
+                for i in (layers[li][j] for li in lis):
+                    m = grid == g["id"][i]
+                    per_sm = np.bincount(smid[m])
+                    if per_sm.max() > 2:                  # several waves: not this table's case
+                        break
+                    on_two = per_sm[smid[m]] >= 2
+                    own = (te[m] - tw[m]) / 1e3
+                    shared_sms.append(int((per_sm >= 2).sum()))
+                    one.extend(own[~on_two])
+                    two.extend(own[on_two])
+                else:
+                    rows.append(f"  {names[j]:<14} {b:>6} SMs {np.mean(shared_sms):>6.1f}   one "
+                                f"{np.mean(one) if one else float('nan'):>6.2f}   two+ "
+                                f"{np.mean(two) if two else float('nan'):>6.2f}")
+            if rows:
+                print(f"kind [{lis[0]},...]:")
+                print("\n".join(rows))
 
     total = us["end"][-1] - us["start"][0]
     print(f"\nstep: {total:.1f} us from the first start to the last end, {n} grids")
