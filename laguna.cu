@@ -3830,7 +3830,6 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
      * stays f32 */
     g->kv = m->kv == KV_F32 || m->kv == KV_FP8 ? m->kv : g->bf ? KV_BF16 : KV_F32;
     g->attn_scalar = getenv("LAGUNA_ATTN_SCALAR") != NULL;
-    g->long_from = getenv("LAGUNA_LONG_FROM") ? atoi(getenv("LAGUNA_LONG_FROM")) : 3584;   /* a test / tuning hook */
     g->use_graph = !getenv("LAGUNA_NO_GRAPH");    /* for the test that graph replay equals plain launches */
     g->pdl = !getenv("LAGUNA_NO_PDL");
     g->dup = getenv("LAGUNA_DUP") ? atoi(getenv("LAGUNA_DUP")) : -1;
@@ -3850,6 +3849,10 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
      * router never is */
     int plain_dt = g->bf ? DT_BF16 : DT_F32;
     g->wdt = is_quant(mw->layers[0].wq.dtype) ? mw->layers[0].wq.dtype : plain_dt;
+    /* from where full layers' one-token attention takes the flash kernel (long_capable): 3584 for bf16 files, 2560
+     * for q8 / q4, whose decode lost 1.5-2% with the clusters at 3072-3456 where bf16 gained 0.4-0.9%
+     * (dev/gpu_notes.md, round 26); LAGUNA_LONG_FROM: a test / tuning hook */
+    g->long_from = getenv("LAGUNA_LONG_FROM") ? atoi(getenv("LAGUNA_LONG_FROM")) : is_quant(g->wdt) ? 2560 : 3584;
     g->edt = is_quant(mw->embed.dtype) ? mw->embed.dtype : plain_dt;
     g->ldt = c->tied_embeddings ? g->edt : is_quant(mw->lm_head.dtype) ? mw->lm_head.dtype : plain_dt;
     if (c->block_size && (is_quant(g->wdt) || (mw->fc.data && is_quant(mw->fc.dtype))))
@@ -4029,7 +4032,7 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
         }
         if (g->attn_cluster) g->fused_split[ATTN_SLIDING] = g->attn_cluster;
         e = getenv("LAGUNA_FULL_CLUSTER_KEYS");      /* a test / tuning hook: 0 keeps full layers on the global merge */
-        g->full_cluster_keys = e ? atoi(e) : 3584;
+        g->full_cluster_keys = e ? atoi(e) : is_quant(g->wdt) ? 2560 : 3584;   /* (as long_from's defaults) */
     }
     prefill_kernels_setup();
     if (g->use_graph && !c->block_size) capture_decode(g);    /* captured once here; replayed at every position */
@@ -4312,8 +4315,8 @@ static void matvec_dt(GpuModel *g, int dt, float *out, const void *w, int rows, 
  * faster and at 4096 4.5% (round 7), against the fused kernel's global merge over many splits. Full layers' fused
  * kernel as a cluster (full_cluster(), round 25) is faster than this one at 2048: 446.0 -> 460.1 tok/s at positions
  * 2048-2183 (5 tiles a split), and at 3072-3207 441.1 -> 444.7 (7 tiles); at 4096 (9 tiles) slower, 439.0 -> 433.1
- * (round 26). So positions below long_from (3584: at most 224 keys, 7 tiles, a split) keep the fused kernel (a second
- * decode graph). Serves bf16 files with a bf16 or fp8 cache (the flash kernel's inputs). */
+ * (round 26; q8 / q4 files lost 1.5-2% there, so theirs stays 2560). So positions below long_from (bf16 3584: at most
+ * 224 keys, 7 tiles, a split) keep the fused kernel (a second decode graph). Serves bf16 files with a bf16 or fp8 cache (the flash kernel's inputs). */
 static int long_capable(const GpuModel *g, int l) {   /* could layer l take attention_flash<KS> (from long_from)? */
     return g->c.layer_type[l] == ATTN_FULL && g->c.causal && g->kv != KV_F32 && g->bf && !g->attn_scalar &&
            g->L[l].nh / g->c.n_kv_heads <= 16;
