@@ -3852,7 +3852,8 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
     /* from where full layers' one-token attention takes the flash kernel (long_capable): 3584 for bf16 files, 2560
      * for q8 / q4, whose decode lost 1.5-2% with the clusters at 3072-3456 where bf16 gained 0.4-0.9%
      * (dev/gpu_notes.md, round 26); LAGUNA_LONG_FROM: a test / tuning hook */
-    g->long_from = getenv("LAGUNA_LONG_FROM") ? atoi(getenv("LAGUNA_LONG_FROM")) : is_quant(g->wdt) ? 2560 : 3584;
+    const int long_default = is_quant(g->wdt) ? 2560 : 3584;   /* (also full_cluster_keys' default) */
+    g->long_from = getenv("LAGUNA_LONG_FROM") ? atoi(getenv("LAGUNA_LONG_FROM")) : long_default;
     g->edt = is_quant(mw->embed.dtype) ? mw->embed.dtype : plain_dt;
     g->ldt = c->tied_embeddings ? g->edt : is_quant(mw->lm_head.dtype) ? mw->lm_head.dtype : plain_dt;
     if (c->block_size && (is_quant(g->wdt) || (mw->fc.data && is_quant(mw->fc.dtype))))
@@ -4032,7 +4033,7 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
         }
         if (g->attn_cluster) g->fused_split[ATTN_SLIDING] = g->attn_cluster;
         e = getenv("LAGUNA_FULL_CLUSTER_KEYS");      /* a test / tuning hook: 0 keeps full layers on the global merge */
-        g->full_cluster_keys = e ? atoi(e) : is_quant(g->wdt) ? 2560 : 3584;   /* (as long_from's defaults) */
+        g->full_cluster_keys = e ? atoi(e) : long_default;
     }
     prefill_kernels_setup();
     if (g->use_graph && !c->block_size) capture_decode(g);    /* captured once here; replayed at every position */
@@ -4316,7 +4317,8 @@ static void matvec_dt(GpuModel *g, int dt, float *out, const void *w, int rows, 
  * kernel as a cluster (full_cluster(), round 25) is faster than this one at 2048: 446.0 -> 460.1 tok/s at positions
  * 2048-2183 (5 tiles a split), and at 3072-3207 441.1 -> 444.7 (7 tiles); at 4096 (9 tiles) slower, 439.0 -> 433.1
  * (round 26; q8 / q4 files lost 1.5-2% there, so theirs stays 2560). So positions below long_from (bf16 3584: at most
- * 224 keys, 7 tiles, a split) keep the fused kernel (a second decode graph). Serves bf16 files with a bf16 or fp8 cache (the flash kernel's inputs). */
+ * 224 keys, 7 tiles, a split) keep the fused kernel (a second decode graph). Serves bf16 files with a bf16 or fp8
+ * cache (the flash kernel's inputs). */
 static int long_capable(const GpuModel *g, int l) {   /* could layer l take attention_flash<KS> (from long_from)? */
     return g->c.layer_type[l] == ATTN_FULL && g->c.causal && g->kv != KV_F32 && g->bf && !g->attn_scalar &&
            g->L[l].nh / g->c.n_kv_heads <= 16;
@@ -4334,10 +4336,10 @@ static int fused_decode_attention(const GpuModel *g, int l, int n) {
 /* Full layers' one-token fused attention as clusters too, where it never sees more than full_cluster_keys keys: below
  * long_from where the long-context kernel takes the rest, or a context that small. A cluster of 16 splits then runs
  * at most 224 keys a split (7 tiles at D = 128) and merges in shared memory; the global merge (up to 4 blocks an SM
- * of splits, a fence, a counter and the last block reloading the partials) is for the contexts past that. On the H200 (XS-2.1, bf16, 512):
- * a full layer's attention 12.05 -> 9.76 us in the trace, decode 475.8 -> 479.6 tok/s; at 2048 (positions
- * 2048-2183) 450.7 (the global merge) or 446.0 (the long-context kernel) -> 460.1 (dev/gpu_notes.md, round 25).
- * Decided per model, so the graph and plain launches run the same kernel at every position. */
+ * of splits, a fence, a counter and the last block reloading the partials) is for the contexts past that. On the
+ * H200 (XS-2.1, bf16, 512): a full layer's attention 12.05 -> 9.76 us in the trace, decode 475.8 -> 479.6 tok/s;
+ * at 2048 (positions 2048-2183) 450.7 (the global merge) or 446.0 (the long-context kernel) -> 460.1
+ * (dev/gpu_notes.md, round 25). Decided per model, so the graph and plain launches run the same kernel at every position. */
 static int full_cluster(const GpuModel *g, int l) {
     const int most = long_capable(g, l) && g->long_from < g->ctx ? g->long_from : g->ctx;
     return g->c.layer_type[l] == ATTN_FULL && g->attn_cluster && most <= g->full_cluster_keys;
