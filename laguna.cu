@@ -92,9 +92,10 @@ struct TraceRec {
     uint32_t mark[6];                 /* TRACE_MARK(i) in thread 0: ns after t_start (0: not reached) */
 };
 constexpr unsigned TRACE_CAP = 1u << 20, TRACE_OFF = 1u << 31;
+__device__ int trace_mode = 0;                      /* LAGUNA_TRACE_MODE: which set of marks (TRACE_MARK_IF) */
 __device__ TraceRec trace_buf[TRACE_CAP];
 __device__ unsigned trace_next = TRACE_OFF;        /* the next record; >= TRACE_CAP: off */
-struct TraceShared { uint64_t t_start, t_wait, c_start, c_wait, mark[6]; unsigned slot, done; };
+struct TraceShared { uint64_t t_start, t_wait, c_start, c_wait, mark[6]; unsigned slot, done; int mode; };
 __shared__ TraceShared trace_sh;                    /* one per block, in every kernel that uses it */
 __device__ __forceinline__ uint64_t trace_ns() {
     uint64_t t;
@@ -110,6 +111,7 @@ struct TraceBlock {
             trace_sh.c_start = clock64();
             trace_sh.t_wait = 0;
             trace_sh.done = 0;
+            trace_sh.mode = trace_mode;
             for (int i = 0; i < 6; i++) trace_sh.mark[i] = 0;
         }
         __syncthreads();                            /* done = 0 before any thread can leave */
@@ -151,10 +153,14 @@ __device__ __forceinline__ void trace_waited() {
 #define TRACE_BLOCK() TraceBlock trace_block_
 #define TRACE_WAITED() trace_waited()
 #define TRACE_MARK(i) do { if (trace_thread0()) trace_sh.mark[i] = trace_ns(); } while (0)   /* a step inside a kernel */
+/* LAGUNA_TRACE_MODE=m (gpu_decode_trace): kernels with other sets of marks record those of set m (0 by default; read
+ * once a block, into its shared notes) */
+#define TRACE_MARK_IF(m, i) do { if (trace_thread0() && trace_sh.mode == (m)) trace_sh.mark[i] = trace_ns(); } while (0)
 #else
 #define TRACE_BLOCK() do { } while (0)
 #define TRACE_WAITED() do { } while (0)
 #define TRACE_MARK(i) do { } while (0)
+#define TRACE_MARK_IF(m, i) do { } while (0)
 #endif
 
 /* Programmatic dependent launch (sm_90). The decode kernels are launched with it (see launch() below): a kernel
@@ -1624,6 +1630,7 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
 #pragma unroll
             for (int i = 0; i < EL; i++) ss += xr[r][i] * xr[r][i];
             const float inv = 1.0f / sqrtf(warp_sum(ss) / D + eps);
+            if (r == 0) TRACE_MARK_IF(1, 0);            /* (set 1: thread 0's first vector in and its norm) */
             const int hs = rd / 64;                     /* the partner: hs elements of this lane away */
 #pragma unroll
             for (int i = 0; i < EL; i++) {
@@ -1634,10 +1641,13 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
                 put(j, d, qk_elem(j, d, xr[r][i], xe, inv));
             }
         }
+        TRACE_MARK_IF(1, 1);                            /* (set 1: warp 0's vectors done) */
         if (has_gate) gate_v = softplus(graw);
         if (tid < G) { hm[tid] = -INFINITY; hl[tid] = 0.0f; }
         __syncthreads();
-        TRACE_MARK(0);
+        TRACE_MARK_IF(0, 0);
+        TRACE_MARK_IF(1, 2);
+        TRACE_MARK_IF(2, 0);
     } else {
         /* the raw vectors into shared memory (16-byte loads, all of this thread's and the gate's issued before the
          * first store: one round trip), then a warp a vector: its norm and RoPE */
@@ -1658,7 +1668,7 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
         if (has_gate) gate_v = softplus(graw);
         if (tid < G) { hm[tid] = -INFINITY; hl[tid] = 0.0f; }
         __syncthreads();
-        TRACE_MARK(0);
+        TRACE_MARK_IF(0, 0);
         for (int j = warp; j < g + 2; j += 8) {
             const float *b = sm.raw[j];
             if (j == g + 1) {                           /* v: as is */
@@ -1675,7 +1685,7 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
         }
     }
     __syncthreads();
-    TRACE_MARK(1);
+    TRACE_MARK_IF(0, 1);
 
     float o[HP];                                        /* heads ph0 + i's output at dim pd */
 #pragma unroll
@@ -1694,6 +1704,7 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
             if (uk == pos) load_x8(kn + (c0 + i) * 8, kf[i]);
             else kv_unpack(kr[i], kc, kf[i]);
         }
+        if (t0 == kb && kf[0][0] != 1.2345e-30f) { TRACE_MARK_IF(1, 3); TRACE_MARK_IF(2, 1); }   /* (thread 0's K in) */
         /* every head's partial dot first (8 independent sums; before, a head at a time with its own butterfly, not
          * unrolled: 0.13 us more in the trace, round 16), then a transposing reduction over the key's KL lanes:
          * at each step a lane keeps half of its heads and sends the other half to its partner, which adds them to its
@@ -1710,6 +1721,7 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
                 *(float4 *)&qb[4] = *(const float4 *)&qs[j][qo[3]];
                 sv[j] = j < g ? dot8(qa, kf[0]) + dot8(qb, kf[1]) : 0.0f;
             }
+            if (t0 == kb && sv[0] != 1.2345e-30f) TRACE_MARK_IF(2, 2);   /* (set 2: the dots done) */
             int n = G, base = 0;                        /* this lane holds heads base .. base + n - 1 */
 #pragma unroll
             for (int off = 1; off < KL; off <<= 1) {
@@ -1726,6 +1738,7 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
 #pragma unroll
             for (int i = 0; i < G; i++)
                 if (i < n && base + i < g) sm.sc[base + i][tid / KL] = uk < ke ? sv[i] : -INFINITY;
+            if (t0 == kb) TRACE_MARK_IF(2, 3);          /* (set 2: reduced and stored) */
         }
         {                                               /* this thread's 2 V chunks into vs */
             const int vk = tid / CH, dc = (tid % CH) * 8;
@@ -1738,8 +1751,9 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
                 *(float4 *)&vs[vk + i * (KT / 2)][dc + 4] = make_float4(vf[4], vf[5], vf[6], vf[7]);
             }
         }
+        if (t0 == kb) { TRACE_MARK_IF(1, 4); TRACE_MARK_IF(2, 4); }   /* (thread 0's scores and V stored) */
         __syncthreads();
-        if (t0 == kb) TRACE_MARK(2);
+        if (t0 == kb) { TRACE_MARK_IF(0, 2); TRACE_MARK_IF(1, 5); TRACE_MARK_IF(2, 5); }
         /* per head: the running max, this tile's probabilities and the running sum */
         for (int j = warp; j < g; j += 8) {
             float mx = -INFINITY;
@@ -1751,7 +1765,7 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
             if (lane == 0) { hl[j] = hl[j] * corr + sum; hm[j] = mn; hc[j] = corr; }
         }
         __syncthreads();
-        if (t0 == kb) TRACE_MARK(3);
+        if (t0 == kb) TRACE_MARK_IF(0, 3);
         /* p . V: a thread a dim, for HP heads, over the tile's keys, so nothing is summed across threads afterwards;
          * per key one value and HP probabilities (one 16-byte read at D = 128) from shared memory. (A warp a head,
          * lanes owning dims, the same sums in the same order: 4 value reads a key at D = 128, ~0.27 us slower in the
@@ -1778,7 +1792,7 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
             }
         }
         __syncthreads();                                /* sc, pt and vs are rewritten by the next tile */
-        if (t0 == kb) TRACE_MARK(4);
+        if (t0 == kb) TRACE_MARK_IF(0, 4);
 #pragma unroll
         for (int i = 0; i < 2; i++) { kr[i] = nk[i]; vr[i] = nv[i]; }
     }
@@ -1816,7 +1830,7 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
          * (release / acquire) block j merges head j from its own shared memory (threads = dims; splits in order). No
          * fence, counter or global round trip; nothing is read remotely, so no second barrier. */
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-        TRACE_MARK(5);
+        TRACE_MARK_IF(0, 5);
         cluster_arrive_release();
         cluster_wait_acquire();
         const int j = split;                            /* the head this block merges (gate_v is its gate) */
@@ -4856,6 +4870,8 @@ extern "C" int gpu_decode_trace(GpuModel *g, int token, int pos, float temperatu
     unsigned zero = 0, off = TRACE_OFF, n = 0;
     CUDA_CHECK(cudaStreamSynchronize(g->stream));
     CUDA_CHECK(cudaMemcpyToSymbolAsync(trace_next, &zero, sizeof zero, 0, cudaMemcpyHostToDevice, g->stream));
+    const int mode = getenv("LAGUNA_TRACE_MODE") ? atoi(getenv("LAGUNA_TRACE_MODE")) : 0;
+    CUDA_CHECK(cudaMemcpyToSymbolAsync(trace_mode, &mode, sizeof mode, 0, cudaMemcpyHostToDevice, g->stream));
     int out = gpu_decode_step(g, token, pos, temperature, topp, coin);   /* ends with a sync */
     CUDA_CHECK(cudaMemcpyFromSymbolAsync(&n, trace_next, sizeof n, 0, cudaMemcpyDeviceToHost, g->stream));
     CUDA_CHECK(cudaMemcpyToSymbolAsync(trace_next, &off, sizeof off, 0, cudaMemcpyHostToDevice, g->stream));

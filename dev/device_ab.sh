@@ -15,7 +15,7 @@
 # adds its first run's verification profile.
 # $EXTRA: more B-only bench_gpu command lines (arguments after the file, e.g. "--kv fp8 8192 131072"; several
 # separated by ';', each optionally "VAR=x VAR2=y|" first for its environment), on the bf16 file.
-# $TRACE=1: B is also built with -DLAGUNA_TRACE and traces one decode step at 512 on the bf16 file (trace.csv.gz,
+# $TRACE=1: B is also built with -DLAGUNA_TRACE and traces one decode step at $TRACE_CTX (default 512) on the bf16 file (trace.csv.gz,
 # trace_summary.txt; dev/trace_summary.py's tables (b) and (c) also go to ab.txt); $TRACE_DT: more files to trace the
 # same way (e.g. "q8": trace_q8.csv.gz, its tables to ab.txt); $TRACE_ENV (VAR=value words, several
 # sets separated by ';'): one more trace per set with that environment (trace_env1.csv.gz, ...; tables to ab.txt), of
@@ -109,9 +109,9 @@ if [ -n "${EXTRA:-}" ] && [ -f /dev/shm/ab-bf16.bin ]; then
         seen=$(grep -c '^| \|rror' "$OUT/extra.log")
     done
 fi
-trace() {   # trace() NAME [VAR=value ...]: one traced step at 512, its tables (b) and (c) appended to ab.txt
+trace() {   # trace() NAME [VAR=value ...]: one traced step at ${TRACE_CTX:-512}, its tables (b) and (c) appended to ab.txt
     local name=$1 dt=${TDT:-bf16}; shift
-    env "$@" LAGUNA_TRACE_OUT="$OUT/$name.csv" timeout 120 ./dev/bench_gpu_trace /dev/shm/ab-$dt.bin 512 \
+    env "$@" LAGUNA_TRACE_OUT="$OUT/$name.csv" timeout 120 ./dev/bench_gpu_trace /dev/shm/ab-$dt.bin ${TRACE_CTX:-512} \
         > "$OUT/${name}_bench.log" 2>&1
     echo "B $dt traced build $*: $(grep '^| [0-9]' "$OUT/${name}_bench.log" | cut -d'|' -f2,5)" >> "$S"
     python3 dev/trace_summary.py "$OUT/$name.csv" --brief > "$OUT/${name}_summary.txt" 2>&1
