@@ -154,7 +154,8 @@ __device__ __forceinline__ void trace_waited() {
 #define TRACE_WAITED() trace_waited()
 #define TRACE_MARK(i) do { if (trace_thread0()) trace_sh.mark[i] = trace_ns(); } while (0)   /* a step inside a kernel */
 /* LAGUNA_TRACE_MODE=m (gpu_decode_trace): kernels with other sets of marks record those of set m (0 by default; read
- * once a block, into its shared notes) */
+ * once a block, into its shared notes). A mark meant to time a load's arrival sits behind a test of the loaded value
+ * (`if (v != 1.2345e-30f)`), which makes thread 0 wait for it; without LAGUNA_TRACE the test has no body and goes. */
 #define TRACE_MARK_IF(m, i) do { if (trace_thread0() && trace_sh.mode == (m)) trace_sh.mark[i] = trace_ns(); } while (0)
 #else
 #define TRACE_BLOCK() do { } while (0)

@@ -5,7 +5,8 @@
 
 Rows of the CSV are thread blocks: gridid,block,smid,t_start,t_wait,t_end (%globaltimer ns; t_wait 0: the block left
 before griddep_wait), cyc_wait,cyc_end (clock64 cycles start -> wait, wait -> end), clk_start (clock64 at the start),
-m0..m5 (TRACE_MARK(i): ns after the block's start, 0 if not reached; table (c) shows them after each block's wait).
+m0..m5 (TRACE_MARK(i): ns after the block's start, 0 if not reached; table (c) shows them after each block's wait;
+which marks a kernel records can depend on the run's LAGUNA_TRACE_MODE: laguna.cu's TRACE_MARK_IF).
 Table (d): the blocks themselves -- how many started before the previous grid ended (under PDL), how many of the
 grid's blocks were resident on average over its step and at most, and how long the blocks that started after the
 previous grid's end took from their start to their end. Table (e): for the grids that ran at most two blocks on any
