@@ -19,7 +19,8 @@
 # trace_summary.txt; dev/trace_summary.py's tables (b) and (c) also go to ab.txt); $TRACE_DT: more files to trace the
 # same way (e.g. "q8": trace_q8.csv.gz, its tables to ab.txt); $TRACE_ENV (VAR=value words, several
 # sets separated by ';'): one more trace per set with that environment (trace_env1.csv.gz, ...; tables to ab.txt), of
-# the $TRACE_ENV_DT file (default bf16).
+# the $TRACE_ENV_DT file (default bf16); in a set, dt=q8 traces that file, ctx=N at that context and bin=.altN that
+# ALTS build (built with its trace build when TRACE=1), e.g. TRACE_ENV="LAGUNA_TRACE_MODE=2 bin=.alt1; dt=q8 ctx=3072".
 # $LABS: kernel labs (make targets, e.g. "dev/few_lab") built with B and run once after the builds, before the
 # benches, their output into ab.txt ($LAB_TIMEOUT s each at most, default 300: dev/few_lab needs more than 120).
 # $ALTS: more builds to time beside A and B (directories prepared here with --prepare-alt DIR 'NVCC -D flags': this tree's
@@ -63,8 +64,9 @@ EXP=$!
 ( cd .ab && make -j8 cuda dev/bench_gpu > "$OUT/build_a.log" 2>&1 ) &
 BA=$!
 BALT=                                                   # "pid:dir" of each ALTS build
-for d in ${ALTS:-}; do ( cd $d && make -j8 cuda dev/bench_gpu > "$OUT/build_${d#.}.log" 2>&1 ) & BALT="$BALT $!:$d"; done
 TR=; [ "${TRACE:-0}" = 1 ] && TR=laguna-cu-trace.o      # its own nvcc run, in parallel; linked below
+for d in ${ALTS:-}; do ( cd $d && { make -j8 cuda dev/bench_gpu $TR && { [ -z "$TR" ] || make dev/bench_gpu_trace; }; } \
+    > "$OUT/build_${d#.}.log" 2>&1 ) & BALT="$BALT $!:$d"; done    # (with TRACE=1 each alt's trace build too: bin=)
 make -j8 cuda dev/bench_gpu $TR ${LABS:-} > "$OUT/build_b.log" 2>&1 || { tail -20 "$OUT/build_b.log" >> "$S"; exit 1; }
 if [ -n "$TR" ]; then make dev/bench_gpu_trace >> "$OUT/build_b.log" 2>&1 || { tail -20 "$OUT/build_b.log" >> "$S"; exit 1; }; fi
 wait $BA || { tail -20 "$OUT/build_a.log" >> "$S"; exit 1; }
@@ -110,10 +112,14 @@ if [ -n "${EXTRA:-}" ] && [ -f /dev/shm/ab-bf16.bin ]; then
     done
 fi
 trace() {   # trace() NAME [VAR=value ...]: one traced step at ${TRACE_CTX:-512}, its tables (b) and (c) appended to ab.txt
-    local name=$1 dt=${TDT:-bf16}; shift
-    env "$@" LAGUNA_TRACE_OUT="$OUT/$name.csv" timeout 120 ./dev/bench_gpu_trace /dev/shm/ab-$dt.bin ${TRACE_CTX:-512} \
+    # (three words are not environment: dt=q8 traces that file, ctx=N at that context, bin=.altN that ALTS build's)
+    local name=$1 dt=${TDT:-bf16} ctx=${TRACE_CTX:-512} dir=. side=B envs=() w; shift
+    for w in "$@"; do case $w in dt=*) dt=${w#dt=};; ctx=*) ctx=${w#ctx=};; bin=*) dir=${w#bin=}; side=${dir#.};;
+        *) envs+=("$w");; esac; done
+    [ -f /dev/shm/ab-$dt.bin ] || { echo "trace $name: no $dt file (DTYPES)" >> "$S"; return; }
+    env "${envs[@]}" LAGUNA_TRACE_OUT="$OUT/$name.csv" timeout 120 $dir/dev/bench_gpu_trace /dev/shm/ab-$dt.bin $ctx \
         > "$OUT/${name}_bench.log" 2>&1
-    echo "B $dt traced build $*: $(grep '^| [0-9]' "$OUT/${name}_bench.log" | cut -d'|' -f2,5)" >> "$S"
+    echo "$side $dt traced build at $ctx $*: $(grep '^| [0-9]' "$OUT/${name}_bench.log" | cut -d'|' -f2,5)" >> "$S"
     python3 dev/trace_summary.py "$OUT/$name.csv" --brief > "$OUT/${name}_summary.txt" 2>&1
     sed -n '/^(b)/,$p' "$OUT/${name}_summary.txt" >> "$S"
     gzip -f "$OUT/$name.csv"
