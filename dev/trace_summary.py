@@ -124,9 +124,14 @@ def lm_head_index(blocks, n_layers=0):
     return fits[-1] if fits else i
 
 
-def split_layers(blocks, n_layers):
-    """the middle grids' indices per layer, or None"""
-    mid = list(range(1, lm_head_index(blocks, n_layers)))
+def split_layers(blocks, n_layers, lm, by_start=False):
+    """the indices of the grids between the embedding and lm_head (index lm), per layer, or None; by_start: a layer
+    begins at each grid with the first one's block count (q/k/v/g)"""
+    mid = list(range(1, lm))
+    if by_start and n_layers > 0 and mid:
+        starts = [i for i in mid if blocks[i] == blocks[mid[0]]] + [lm]
+        layers = [list(range(a, b)) for a, b in zip(starts, starts[1:])]
+        return layers if len(layers) == n_layers else None
     if n_layers > 0 and len(mid) % n_layers == 0 and len(mid) >= n_layers:
         k = len(mid) // n_layers
         return [mid[i:i + k] for i in range(0, len(mid), k)]
@@ -139,6 +144,22 @@ def split_layers(blocks, n_layers):
             layers.append(cur)
             cur = []
     return layers if not cur and (n_layers <= 0 or len(layers) == n_layers) else None
+
+
+def find_layers(blocks, n_layers):
+    """(lm_head's index, the layers' grids or None). When the layers do not all run the same number of kernels (full
+    layers on the long-context attention: 8 grids, sliding ones 6), lm_head_index's whole-number rule cannot place a
+    looping lm_head: then the last grid, at most 16 from the end, before which the layers split into n_layers, each
+    beginning with q/k/v/g's block count"""
+    lm = lm_head_index(blocks, n_layers)
+    layers = split_layers(blocks, n_layers, lm)
+    if layers or n_layers <= 0:
+        return lm, layers
+    for j in range(len(blocks) - 2, max(len(blocks) - 18, 1), -1):
+        layers = split_layers(blocks, n_layers, j, by_start=True)
+        if layers:
+            return j, layers
+    return lm, None
 
 
 def residency(grid, ts, te, gid, prev_end, end):
@@ -166,9 +187,8 @@ def main():
     g = grids(*data[:6])
     n = len(g["blocks"])
     us = {k: g[k] / 1e3 for k in ("start", "last", "wait", "end", "gap", "pre", "span", "step", "launch")}
-    layers = split_layers(g["blocks"], args.layers)
+    lm, layers = find_layers(g["blocks"], args.layers)
     label = [f"#{i}" for i in range(n)]
-    lm = lm_head_index(g["blocks"], args.layers)
     samplers = list(range(lm + 1, n))
     if n >= 3:
         label[0], label[lm] = "embed", "lm_head"
