@@ -126,7 +126,8 @@ def lm_head_index(blocks, n_layers=0):
 
 def split_layers(blocks, n_layers, lm, by_start=False):
     """the indices of the grids between the embedding and lm_head (index lm), per layer, or None; by_start: a layer
-    begins at each grid with the first one's block count (q/k/v/g)"""
+    begins at each grid with the first one's block count (q/k/v/g: in q8 / q4 files one wave of looping blocks in
+    every layer; bf16's q/k/v/g has a block count per head count, 48 or 64)"""
     mid = list(range(1, lm))
     if by_start and n_layers > 0 and mid:
         starts = [i for i in mid if blocks[i] == blocks[mid[0]]] + [lm]

@@ -9,6 +9,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "dev"))
 import trace_summary  # noqa: E402
 
 SLIDING = [1288, 128, 1024, 256, 1024, 512]             # bf16: q/k/v/g, attention, o_proj, router, gate/up, down
+FULL = [1030, 128, 768, 256, 1024, 512]                 # bf16, a full layer (48 heads) below long_from
+DENSE = [1030, 128, 768, 1, 2048, 256]                  # bf16 layer 0: full, dense SwiGLU
 FULL_LONG = [396, 16, 264, 48, 768, 128, 1152, 512]     # q8, a full layer past long_from: norm, flash, combine
 SLIDING_Q8 = [396, 128, 1024, 128, 1152, 512]
 DENSE_LONG = [396, 16, 264, 48, 768, 1, 2048, 256]      # layer 0: dense SwiGLU, its down 256 blocks
@@ -26,7 +28,7 @@ def step(layers, lm_blocks, sampler):
 
 @pytest.mark.parametrize("sampler", [[1], [64, 64, 64, 64, 1, 1]], ids=["greedy", "sampling"])
 def test_layers_of_one_pattern(sampler):
-    layers = [SLIDING] * 40
+    layers = [DENSE] + [FULL if l % 4 == 0 else SLIDING for l in range(1, 40)]
     blocks, starts, lm = step(layers, 12544, sampler)
     got_lm, got = trace_summary.find_layers(blocks, 40)
     assert got_lm == lm
