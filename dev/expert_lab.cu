@@ -22,7 +22,13 @@
  *   router + next          the part of the chain both variants share
  *   router + gate/up + down + next   laguna.cu's kernels
  *   router + fused + next  the fused kernel
- * Before the rows, the fused chain's x after one layer is compared with laguna.cu's (max |diff| / max |x|). */
+ * Before the rows, the fused chain's x after one layer is compared with laguna.cu's (max |diff| / the MoE output).
+ * Measured (H200, 2026-12-03, thirtieth session; dev/gpu_notes.md, round 29): every check within 5.8e-7 of the MoE
+ * output; the MoE's part of a layer (the chain less router + next), us, laguna.cu's kernels -> the best fused one:
+ * bf16 16.06 -> 22.73 (down via L2; in shared memory 26.29: 128 KB a block leaves one block an SM, and only 7 of the
+ * 8 clusters of 16 fit at once), q8 12.63 -> 16.60, q4 12.02 -> 16.02 (down in shared memory). Slower in every format:
+ * a block's 8 row groups one after another (NB in flight) take longer than the kernel boundary that the fusion
+ * removes, where laguna.cu's gate/up runs each group as its own block, all in flight at once. */
 #include "../laguna.cu"
 #include "lab_graph.h"
 
