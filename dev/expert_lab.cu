@@ -6,7 +6,7 @@
  * active expert) and the down projections (moe_down_cols: 4 output rows a block over every expert's columns, the
  * weighted sum and the residual). The down kernel needs every expert's h, so it waits for the whole gate/up grid.
  * This lab weighs the one structural change left on that chain (dev/gpu_notes.md, "For the next session", 29th):
- *   fused  one thread-block cluster of C = 16 blocks a routed expert (and, on q8 / q4 files, a 17th-odd cluster for
+ *   fused  one thread-block cluster of C = 16 blocks a routed expert (and, on q8 / q4 files, a ninth cluster for
  *          the shared expert). Block c streams its 32 units' gate and up rows through registers (x in registers,
  *          NB row groups in flight), and meanwhile cp.async brings its 128 rows of the expert's down matrix into
  *          shared memory. Each h value goes to all 16 blocks' shared memory (distributed shared memory), one cluster
@@ -231,7 +231,9 @@ __global__ void __launch_bounds__(256, DL2 ? 2 : 1) moe_fused(WPtr egu, WPtr edn
 }
 
 /* The next kernel's stand-in: x read as q/k/v/g's matvec reads it (8 values a thread, a block sum of squares).
- * SUM: x is first completed from the partials (x + sh + scaling * sum_a part[a], a ascending), block 0 writing it. */
+ * SUM: x is first completed from the partials (x + sh + scaling * sum_a part[a], a ascending), block 0 writing it.
+ * (Other blocks may then read block 0's x: only their stand-in sums, which nothing uses, change; a real next kernel
+ * would write the completed x to a second buffer.) */
 template <bool SUM>
 __global__ void __launch_bounds__(256) next_kernel(float *x, const float *part, float *out) {
     const int k = threadIdx.x * 8;

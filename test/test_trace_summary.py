@@ -26,20 +26,19 @@ def step(layers, lm_blocks, sampler):
     return blocks + [lm_blocks] + sampler, starts, lm
 
 
-@pytest.mark.parametrize("sampler", [[1], [64, 64, 64, 64, 1, 1]], ids=["greedy", "sampling"])
-def test_layers_of_one_pattern(sampler):
-    layers = [DENSE] + [FULL if l % 4 == 0 else SLIDING for l in range(1, 40)]
-    blocks, starts, lm = step(layers, 12544, sampler)
-    got_lm, got = trace_summary.find_layers(blocks, 40)
-    assert got_lm == lm
-    assert [idx[0] for idx in got] == starts and all(len(idx) == 6 for idx in got)
+# one pattern: every layer 6 grids, lm_head its own block count; two patterns: every 4th layer full with the
+# long-context attention (8 grids), the rest sliding (6), and lm_head one wave of 396 blocks, like q/k/v/g's
+PATTERNS = {
+    "one pattern": ([DENSE] + [FULL if l % 4 == 0 else SLIDING for l in range(1, 40)], 12544),
+    "two patterns, looping lm_head": ([DENSE_LONG] + [FULL_LONG if l % 4 == 0 else SLIDING_Q8 for l in range(1, 40)], 396),
+}
 
 
+@pytest.mark.parametrize("pattern", list(PATTERNS))
 @pytest.mark.parametrize("sampler", [[1], [64, 64, 64, 64, 1, 1]], ids=["greedy", "sampling"])
-def test_layers_of_two_patterns_and_a_looping_lm_head(sampler):
-    # every 4th layer full (8 grids), the rest sliding (6); lm_head one wave of 396 blocks, like q/k/v/g's
-    layers = [DENSE_LONG] + [FULL_LONG if l % 4 == 0 else SLIDING_Q8 for l in range(1, 40)]
-    blocks, starts, lm = step(layers, 396, sampler)
+def test_layers_found(pattern, sampler):
+    layers, lm_blocks = PATTERNS[pattern]
+    blocks, starts, lm = step(layers, lm_blocks, sampler)
     got_lm, got = trace_summary.find_layers(blocks, 40)
     assert got_lm == lm
     assert [idx[0] for idx in got] == starts
