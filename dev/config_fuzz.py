@@ -9,6 +9,13 @@ laguna is within 1e-4 of transformers' fp32 logits, or -- some random configs ar
 itself drifts that far -- no farther from transformers' fp64 logits than twice transformers' own fp32 drift.
 
     python3 dev/config_fuzz.py [N] [seed]        (default 30 configs, seed 1; prints one line per config)
+    python3 dev/config_fuzz.py --gpu [N] [seed]  (a GPU build of ./laguna, `make cuda`: the GPU too, see below)
+
+With --gpu, head_dim is drawn from what the GPU backend takes (16, 32, 64; now and then 8, which it must refuse with a
+message, counted apart) and every config also runs on the GPU with an f32 KV cache, one pass (the n-token kernels)
+and token by token (--chunk 1: the one-token decode kernels, router and fused attention included): an f32 checkpoint
+is held to the same rule against transformers; a bf16 one token by token to 1e-4 from the CPU (the same bf16 weights,
+fp32 math; its n-token forward rounds the GEMM inputs to bf16, so it has no such bar).
 
 Configurations transformers itself refuses are skipped and counted. Exit status 1 if any config differs by more
 than 1e-4 or fails to export / run.
@@ -23,32 +30,36 @@ import tempfile
 import numpy as np
 import torch
 from transformers import LagunaConfig, LagunaForCausalLM
+from transformers.utils import logging as hf_logging
+
+hf_logging.disable_progress_bar()
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "test"))
 from make_fixtures import XS2_FULL, XS21_FULL, load_ref, randomize  # noqa: E402
 
 
-def random_config(rng):
+def random_config(rng, gpu=False):
     L = rng.randint(1, 6)
     kv = rng.choice([1, 2, 4])
-    D = rng.choice([8, 16, 32])
+    D = rng.choice([16, 32, 64, 16, 32, 8] if gpu else [8, 16, 32])
     types = [rng.choice(["full_attention", "sliding_attention"]) for _ in range(L)]
     mlp = [rng.choice(["dense", "sparse"]) for _ in range(L)]
-    E = rng.choice([4, 8, 16])
+    E = rng.choice([4, 8, 16] + ([32, 64] if gpu else []))
     full = rng.choice([dict(XS2_FULL), dict(XS21_FULL), {"rope_type": "default", "rope_theta": 50000.0},
                        {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}])
     full = dict(full, factor=rng.choice([4.0, 32.0])) if full.get("rope_type") == "yarn" else full
     full["partial_rotary_factor"] = rng.choice([1.0, 0.5, 0.25])
     sliding = {"rope_type": "default", "rope_theta": rng.choice([10000.0, 5000.0]),
                "partial_rotary_factor": rng.choice([1.0, 0.5])}
-    return dict(vocab_size=rng.choice([64, 130, 300]), hidden_size=rng.choice([32, 48, 64]),
+    return dict(vocab_size=rng.choice([64, 130, 300]), hidden_size=rng.choice([32, 48, 64] + ([128, 256] if gpu else [])),
                 intermediate_size=rng.choice([48, 96]), num_hidden_layers=L, num_attention_heads=kv,
                 num_key_value_heads=kv, head_dim=D,
-                num_attention_heads_per_layer=[kv * rng.choice([1, 2, 3, 4]) for _ in range(L)],
-                layer_types=types, mlp_layer_types=mlp, sliding_window=rng.randint(3, 12),
+                num_attention_heads_per_layer=[kv * rng.choice([1, 2, 3, 4] + ([6, 8, 12] if gpu else []))
+                                               for _ in range(L)],
+                layer_types=types, mlp_layer_types=mlp, sliding_window=rng.randint(3, 40 if gpu else 12),
                 moe_intermediate_size=rng.choice([16, 32]), shared_expert_intermediate_size=rng.choice([16, 24]),
-                num_experts=E, num_experts_per_tok=rng.randint(1, min(4, E)),
+                num_experts=E, num_experts_per_tok=rng.randint(1, min(8 if gpu else 4, E)),
                 moe_routed_scaling_factor=rng.choice([1.0, 2.5]), gating=rng.choice([True, False, "per-element"]),
                 attention_bias=rng.random() < 0.3,
                 moe_router_logit_softcapping=rng.choice([0.0, 0.0, 3.0, 30.0]),
@@ -57,14 +68,38 @@ def random_config(rng):
                 rope_parameters={"full_attention": full, "sliding_attention": sliding})
 
 
+def gpu_checks(laguna, binf, idf, d, T, dtype, want, want64, drift, cpu):
+    """The GPU's logits (f32 KV cache) one pass and token by token: (label, max diff, ok) each, or a refusal's text"""
+    out = []
+    modes = (("one pass", []), ("token by token", ["--chunk", "1"]))
+    for label, extra in modes if dtype == "f32" else modes[1:]:   # (bf16 files' n-token GEMMs round x to bf16)
+        lg = os.path.join(d, "gpu.bin")
+        r = subprocess.run([laguna, binf, "--kv", "f32", "--score", idf, "--logits", lg, "-q", *extra],
+                           capture_output=True, text=True)
+        if r.returncode:
+            return r.stderr.strip()
+        got = np.fromfile(lg, dtype=np.float32).reshape(T, -1)
+        if dtype == "f32":                             # fp32 end to end: the CPU's rule against transformers
+            diff = float(np.abs(got - want).max())
+            ok = diff <= 1e-4 or float(np.abs(got - want64).max()) <= 2 * drift
+        else:                                          # bf16 weights, fp32 math: the CPU's numbers
+            diff = float(np.abs(got - cpu).max())
+            ok = diff <= 1e-4
+        out.append((label, diff, ok))
+    return out
+
+
 def main():
-    n = int(sys.argv[1]) if len(sys.argv) > 1 else 30
-    seed = int(sys.argv[2]) if len(sys.argv) > 2 else 1
+    args = sys.argv[1:]
+    gpu = "--gpu" in args
+    args = [a for a in args if a != "--gpu"]
+    n = int(args[0]) if len(args) > 0 else 30
+    seed = int(args[1]) if len(args) > 1 else 1
     rng = random.Random(seed)
     laguna = os.path.join(ROOT, "laguna")
-    worst, bad, refused = 0.0, 0, 0
+    worst, bad, refused, gpu_refused, gpu_worst = 0.0, 0, 0, 0, 0.0
     for i in range(n):
-        cd = random_config(rng)
+        cd = random_config(rng, gpu)
         dtype = rng.choice(["f32", "bf16"])
         try:
             cfg = LagunaConfig(**cd)
@@ -81,7 +116,7 @@ def main():
             hf = os.path.join(d, "hf")
             model.save_pretrained(hf)
             ref = load_ref(hf)
-            T = rng.randint(5, 40)
+            T = rng.randint(5, 80 if gpu else 40)
             ids = torch.randint(3, cfg.vocab_size, (T,), generator=gen)
             ref64 = load_ref(hf, torch.float64)
             with torch.no_grad():
@@ -114,11 +149,27 @@ def main():
             d64, drift = float(np.abs(got - want64).max()), float(np.abs(want - want64).max())
             worst = max(worst, diff)
             ok = diff <= 1e-4 or d64 <= 2 * drift
+            line = (f"config {i}: max |laguna - transformers| {diff:.2e} (vs fp64 {d64:.2e}; transformers fp32 vs "
+                    f"fp64 {drift:.2e}) {'ok' if ok else 'DIFFERS'}")
+            if gpu:
+                res = gpu_checks(laguna, binf, idf, d, T, dtype, want, want64, drift, got)
+                if isinstance(res, str):               # refused: only head_dim 8 may be, with a message and a hint
+                    known = cfg.head_dim not in (16, 32, 64, 128) and "head_dim" in res and "hint" in res
+                    gpu_refused += known
+                    ok = ok and known
+                    line += f"; GPU refuses it{'' if known else ' (UNEXPECTED)'}: {res.splitlines()[0][:70]}"
+                else:
+                    for label, gd, gok in res:
+                        gpu_worst = max(gpu_worst, gd)
+                        ok = ok and gok
+                        line += f"; GPU {label} {gd:.2e}{'' if gok else ' DIFFERS'}"
             bad += not ok
-            print(f"config {i}: max |laguna - transformers| {diff:.2e} (vs fp64 {d64:.2e}; transformers fp32 vs "
-                  f"fp64 {drift:.2e}) {'ok' if ok else 'DIFFERS'}  {summary}")
+            print(f"{line}  {summary}", flush=True)
     print(f"\n{n} configs: {n - refused - bad} match (worst |laguna - transformers fp32| {worst:.2e}), {bad} differ "
           f"or fail, {refused} refused by transformers")
+    if gpu:
+        print(f"GPU: worst {gpu_worst:.2e} (f32 files from transformers, bf16 files from the CPU), {gpu_refused} "
+              f"configs refused as expected (head_dim)")
     return 1 if bad else 0
 
 

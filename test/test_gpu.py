@@ -342,6 +342,19 @@ def test_gpu_decode_attention_head_dims(laguna_gpu, head_dim, tmp_path):
         assert d <= TOL_F32
 
 
+def test_gpu_random_configs(laguna_gpu):
+    """Random tiny configurations (dev/config_fuzz.py --gpu: layer / MLP patterns, per-layer head counts and GQA
+    groups up to 12, head dims 16 / 32 / 64 and 8, which the GPU must refuse with a message, windows, 4-64 experts and
+    top-1..8, gating kinds, attention bias, router softcapping, tied embeddings, rope variants, f32 and bf16
+    checkpoints), each saved by transformers, exported and scored on the GPU with an f32 KV cache in one pass and token
+    by token: f32 checkpoints within 1e-4 of transformers (or its own fp32 drift), bf16 within 1e-4 of the CPU."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "dev", "config_fuzz.py"), "--gpu", "16", "5"],
+                       capture_output=True, text=True)
+    lines = [line for line in r.stdout.splitlines() if line.startswith(("config", "16 configs", "GPU:"))]
+    print("\n" + "\n".join(lines[-3:]))
+    assert r.returncode == 0, "\n".join(line for line in lines if "ok" not in line or "DIFFERS" in line)[-3000:] + r.stderr[-2000:]
+
+
 # (experts, top-k): decode_route ranks only the experts at or above the smallest of G >= k groups' bests (G = 8, 16,
 # 32 for k <= 8, 16, 32 with 256 threads); 64 experts leave groups empty (every expert ranked), 320 fill them all
 ROUTER_CASES = [(64, 7), (320, 7), (320, 13), (320, 21)]
