@@ -23,6 +23,9 @@
  *   mvnn    matvec without its RMSNorm (no block reduction of x's squares before the rows).
  *   mvc16 / mvc8  laguna.cu's matvec_cols<bf16, R> (a thread owns 8 columns of R rows; x in registers).
  * Before the rows, --check compares matvec_cols with matvec_warp on random data (q/k/v/g's 8240 x 2048, normed).
+ *   dep     a dependent step with no weights: the wait, the 8 KB input from L2, a block reduction, a float out:
+ *           the floor of any step of the decode chain (H200, round 30: 0.93 us at 1 block, 1.18 at 132, 1.52 at
+ *           528, 1.98 at 1024; empty 0.52-0.57).
  *   empty   griddep_wait / griddep_launch only.
  * With --icache instead: what running code costs when the SM's instruction cache is cold. code_kernel runs U
  * independent FMAs (8 chains, ~16 bytes of SASS each, so U = 4096 is ~64 KB of code) between two clock64 reads, one
@@ -148,6 +151,17 @@ __global__ void __launch_bounds__(256) cluster_kernel(const uint4 *w, size_t off
 #endif
 }
 
+/* a dependent step with no weights: the wait, the 8 KB input the previous kernel wrote (L2), a block reduction, one
+ * float a block out -- what every decode kernel does around its bytes, so the floor of a chain of them */
+__global__ void __launch_bounds__(256) dep_kernel(const float *x, float *y) {
+    griddep_wait();
+    griddep_launch();
+    float xv[8];
+    load_x8(x + (threadIdx.x * 8) % XN, xv);
+    float s = block_sum(dot8(xv, xv));
+    if (threadIdx.x == 0) y[blockIdx.x % XN] = s * 1e-9f;
+}
+
 __global__ void empty_kernel(float *y) {
     griddep_wait();
     griddep_launch();
@@ -176,14 +190,14 @@ __global__ void __launch_bounds__(256) code_kernel(float *out, long long *cyc, i
     if (threadIdx.x == 0) cyc[(size_t)slot * gridDim.x + blockIdx.x] = t1 - t0;
 }
 
-enum { K_PRE, K_POST, K_LAST, K_CLUSTER, K_WAVES, K_NC, K_NC2, K_MATVEC, K_MV1, K_MVNN, K_MVC16, K_MVC8, K_EMPTY };
+enum { K_PRE, K_POST, K_LAST, K_CLUSTER, K_WAVES, K_NC, K_NC2, K_MATVEC, K_MV1, K_MVNN, K_MVC16, K_MVC8, K_DEP, K_EMPTY };
 static const char *kname[] = {"stream, loads before the wait", "stream, loads after the wait",
                               "stream + last-block merge", "stream in clusters of 16 + DSMEM merge",
                               "one wave (2 blocks per SM) looping", "stream, laguna's ld_stream loads",
                               "the same, 2 blocks an SM at most", "laguna's matvec_warp<bf16, 8, 2>",
                               "matvec_warp<bf16, 8, 1> (one step, 32 KB a block)", "matvec_warp<bf16, 8, 2>, no RMSNorm",
                               "matvec_cols<bf16, 16> (64 KB a block)", "matvec_cols<bf16, 8> (32 KB a block)",
-                              "empty"};
+                              "dependent step, no weights", "empty"};
 static int nsm;
 static size_t smem_half;                           /* K_NC2: dynamic shared memory that leaves room for 2 blocks */
 static float *mv_out, *mv_norm;                    /* K_MATVEC: its output rows and RMSNorm weights */
@@ -245,6 +259,7 @@ static void enqueue(int kind, int G, int pdl, int i, const uint4 *w, float *xa, 
         CUDA_CHECK(cudaLaunchKernelEx(&cfg, matvec_warp<bf16, 8, 2>, mv_out, WPtr(w + off), G * 16, XN, x,
                                       (const float *)NULL, 1e-6f, (float *)NULL, (const float *)NULL, 0));
         break;
+    case K_DEP: CUDA_CHECK(cudaLaunchKernelEx(&cfg, dep_kernel, x, y)); break;
     default: CUDA_CHECK(cudaLaunchKernelEx(&cfg, empty_kernel, y));
     }
 }
@@ -369,7 +384,7 @@ int main(int argc, char **argv) {
         icache_lab(w, xa, xb, st);
         return 0;
     }
-    const int Gs[] = {1, 16, 128, 256, 512, 1024, 2048, 4096};
+    const int Gs[] = {1, 16, 128, 132, 256, 264, 512, 528, 1024, 2048, 4096};
     const int nG = sizeof Gs / sizeof Gs[0];
     printf("| kernel | PDL | blocks | MB a launch | us per kernel | GB/s |\n|---|---|---|---|---|---|\n");
     const char *only = getenv("CHAIN_KINDS");      /* e.g. CHAIN_KINDS=,7,11,12, : only those rows (enum order) */
@@ -386,17 +401,18 @@ int main(int argc, char **argv) {
                 if (kind == K_CLUSTER && G % 16) continue;
                 if (kind == K_LAST && G > 8192) continue;
                 if (kind == K_EMPTY && G > 128) continue;
+                if (kind == K_DEP && G > 1024) continue;
                 if (kind == K_WAVES && G < 2 * nsm) continue;
                 double t = time_chain(kind, G, pdl, w, xa, xb, part, counter, st);
                 int Gw = kind == K_WAVES ? (G + 2 * nsm - 1) / (2 * nsm) * 2 * nsm : G;   /* blocks' worth of bytes */
-                double m = kind == K_EMPTY ? 0.0 : Gw * (double)block_bytes(kind) / 1e6;
+                double m = kind == K_EMPTY || kind == K_DEP ? 0.0 : Gw * (double)block_bytes(kind) / 1e6;
                 mb[n] = m;
                 us[n++] = t;
                 printf("| %s | %s | %d | %.2f | %.2f | %.0f |\n", kname[kind], pdl ? "yes" : "no", G, m, t,
                        m > 0 ? m * 1e6 / (t * 1e3) : 0.0);
                 fflush(stdout);
             }
-            if (kind != K_EMPTY && n >= 3) {
+            if (kind != K_EMPTY && kind != K_DEP && n >= 3) {
                 double a, b;
                 fit(mb, us, n, 4.0, &a, &b);
                 printf("| fit (>= 4 MB): %s, PDL %s | | | | %.2f us + MB x %.3f us | %.0f |\n", kname[kind],
