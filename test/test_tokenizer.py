@@ -373,6 +373,59 @@ def test_chat_matches_jinja(which, request):
     print(f"\nchat {which}: {n} renderings byte-identical to jinja2")
 
 
+CHAT_PIECES = ["", " ", "  ", "\n", "\n\n", "\t", "\r\n", "\u00a0", "\u3000", "x", "Hello", "def f():\n    pass\n",
+               "〈|EOS|〉", "<think>", "</think>", "<assistant>", "</user>", "ünïcödé", "日本語", "🦙", "{{ x }}", "{% if %}",
+               "'\"", "\\n", "</system>", "<tool_call>"]
+
+
+def random_conversations(n, seed):
+    """n random (messages, add_generation_prompt, enable_thinking): an optional system message first, then user /
+    assistant / later system turns in any order, contents and reasoning from CHAT_PIECES (empty, whitespace-only,
+    padded, special-token text), reasoning absent / empty / present, content None now and then"""
+    rng = random.Random(seed)
+
+    def text():
+        return "".join(rng.choice(CHAT_PIECES) for _ in range(rng.randrange(0, 5)))
+
+    out = []
+    for _ in range(n):
+        msgs = []
+        if rng.random() < 0.5:
+            msgs.append(msg("system", text()))
+        for _ in range(rng.randrange(0, 6)):
+            role = rng.choice(["user", "user", "assistant", "assistant", "system"])
+            if role == "assistant":
+                r = rng.random()
+                m = msg(role, None if rng.random() < 0.1 else text(), None if r < 0.4 else "" if r < 0.5 else text())
+            else:
+                m = msg(role, text())
+            msgs.append(m)
+        out.append((msgs, rng.random() < 0.5, rng.random() < 0.5))
+    return out
+
+
+@pytest.mark.parametrize("which", ["v8", "v2"])
+def test_chat_random_conversations_match_jinja(which, request):
+    """2,000 random conversations per template, rendered by tokenizer.c and by jinja2 (transformers' environment):
+    byte-identical, or both refuse (jinja2 raises where C returns an error)"""
+    h = request.getfixturevalue(which)
+    convs = random_conversations(2000, seed=7 if which == "v8" else 8)
+    got = h.chat(convs)
+    with open(os.path.join(h.hf_dir, "tokenizer_config.json"), encoding="utf-8") as f:
+        render = export._tok_render_fn(h.hf_dir, json.load(f))
+    both_refuse = 0
+    for (msgs, gen, think), g in zip(convs, got):
+        try:
+            want = render(msgs, gen, think)
+        except Exception as e:      # the template cannot render it: C must refuse it too
+            assert g.startswith("ERR"), f"{which} gen={gen} think={think} {msgs}\n jinja2 raised {e!r}\n C: {g!r}"
+            both_refuse += 1
+            continue
+        assert g == want, f"{which} gen={gen} think={think} {msgs}\n jinja2: {want!r}\n C:      {g!r}"
+    print(f"\nchat {which}: {len(convs)} random conversations, {len(convs) - both_refuse} byte-identical to jinja2, "
+          f"{both_refuse} refused by both")
+
+
 def test_jinja_setup_matches_transformers():
     # export.py renders templates like transformers' apply_chat_template; check that on both templates
     try:
