@@ -405,9 +405,9 @@ def random_conversations(n, seed):
 
 
 @pytest.mark.parametrize("which", ["v8", "v2"])
-def test_chat_random_conversations_match_jinja(which, request):
+def test_chat_random_conversations_match_jinja(which, request, hf):
     """2,000 random conversations per template, rendered by tokenizer.c and by jinja2 (transformers' environment):
-    byte-identical, or both refuse (jinja2 raises where C returns an error)"""
+    byte-identical, or both refuse (jinja2 raises where C returns an error); the renderings then encode to HF's ids"""
     h = request.getfixturevalue(which)
     convs = random_conversations(2000, seed=7 if which == "v8" else 8)
     got = h.chat(convs)
@@ -424,6 +424,7 @@ def test_chat_random_conversations_match_jinja(which, request):
         assert g == want, f"{which} gen={gen} think={think} {msgs}\n jinja2: {want!r}\n C:      {g!r}"
     print(f"\nchat {which}: {len(convs)} random conversations, {len(convs) - both_refuse} byte-identical to jinja2, "
           f"{both_refuse} refused by both")
+    check_parity(h, hf, [g for g in got if not g.startswith("ERR")], f"chat {which} renderings encoded")
 
 
 def test_jinja_setup_matches_transformers():
