@@ -52,7 +52,9 @@ def random_config(rng, gpu=False):
     full["partial_rotary_factor"] = rng.choice([1.0, 0.5, 0.25])
     sliding = {"rope_type": "default", "rope_theta": rng.choice([10000.0, 5000.0]),
                "partial_rotary_factor": rng.choice([1.0, 0.5])}
-    return dict(vocab_size=rng.choice([64, 130, 300]), hidden_size=rng.choice([32, 48, 64] + ([128, 256] if gpu else [])),
+    vocab = rng.choice([64, 130, 300])
+    hidden = rng.choice([32, 48, 64] + ([128, 256] if gpu else []))   # (drawn in this order: the seeds' configs)
+    return dict(vocab_size=vocab, hidden_size=hidden,
                 intermediate_size=rng.choice([48, 96]), num_hidden_layers=L, num_attention_heads=kv,
                 num_key_value_heads=kv, head_dim=D,
                 num_attention_heads_per_layer=[kv * rng.choice([1, 2, 3, 4] + ([6, 8, 12] if gpu else []))

@@ -354,10 +354,10 @@ CONVERSATIONS = [
 ]
 
 
-def jinja_render(hf_dir, msgs, gen, think):
+def jinja_renderer(hf_dir):
+    """export.py's jinja2 rendering of hf_dir's chat template: render(messages, add_generation_prompt, thinking)"""
     with open(os.path.join(hf_dir, "tokenizer_config.json"), encoding="utf-8") as f:
-        config = json.load(f)
-    return export._tok_render_fn(hf_dir, config)(msgs, gen, think)
+        return export._tok_render_fn(hf_dir, json.load(f))
 
 
 @pytest.mark.parametrize("which", ["v8", "v2"])
@@ -365,9 +365,10 @@ def test_chat_matches_jinja(which, request):
     h = request.getfixturevalue(which)
     convs = [(m, gen, think) for m in CONVERSATIONS for gen in (True, False) for think in (False, True)]
     got = h.chat(convs)
+    render = jinja_renderer(h.hf_dir)
     n = 0
     for (msgs, gen, think), g in zip(convs, got):
-        want = jinja_render(h.hf_dir, msgs, gen, think)
+        want = render(msgs, gen, think)
         assert g == want, f"{which} gen={gen} think={think} {msgs}\n jinja2: {want!r}\n C:      {g!r}"
         n += 1
     print(f"\nchat {which}: {n} renderings byte-identical to jinja2")
@@ -411,8 +412,7 @@ def test_chat_random_conversations_match_jinja(which, request, hf):
     h = request.getfixturevalue(which)
     convs = random_conversations(2000, seed=7 if which == "v8" else 8)
     got = h.chat(convs)
-    with open(os.path.join(h.hf_dir, "tokenizer_config.json"), encoding="utf-8") as f:
-        render = export._tok_render_fn(h.hf_dir, json.load(f))
+    render = jinja_renderer(h.hf_dir)
     both_refuse = 0
     for (msgs, gen, think), g in zip(convs, got):
         try:
