@@ -771,6 +771,14 @@ class QuantStats:
                      f"{math.sqrt(self.sq / self.ref) if self.ref else 0:.4f}, worst tensor {self.worst:.4f}")
 
 
+def quantized_holes(plan, want_dtype):
+    """A synthetic plan's matmul weights as holes of their q8 / q4 size (laguna --random-weights fills them)."""
+    return [(n, dt, shp, p) if len(shp) < 2 or n.endswith("mlp.gate.weight") else
+            (n, q, shp, lambda q=q, shp=shp: iter([tensor_nbytes(q, shp)]))
+            for n, dt, shp, p in plan
+            for q in [DT_Q8 if want_dtype == "q8" or n.endswith("embed_tokens.weight") else DT_Q4]]
+
+
 def quantize_plan(plan, want_dtype, say):
     """Turn the matmul weights of a plan into q8/q4 (embedding rows q8; router, norms, rope, tokenizer kept)."""
     if want_dtype not in ("q8", "q4"):
@@ -957,8 +965,11 @@ def export_drafter(hf_dir, cfg, out_path, dtype, ignore_keys, quiet, ck=None):
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, file=sys.stderr))
     c = read_drafter_config(hf_dir, cfg, ignore_keys, warn=say)
     ck = ck or Checkpoint(hf_dir)
-    plan, stats = quantize_plan(plan_drafter(ck, c, dtype if dtype in ("auto", "bf16", "f32") else "auto", say),
-                                dtype, say)
+    plan = plan_drafter(ck, c, dtype if dtype in ("auto", "bf16", "f32") else "auto", say)
+    if dtype in ("q8", "q4") and getattr(ck, "fill", None) == "none":     # a synthetic drafter's holes
+        plan, stats = quantized_holes(plan, dtype), None
+    else:
+        plan, stats = quantize_plan(plan, dtype, say)
     d = c["dflash"]
     ids = {"bos_token_id": -1, "pad_token_id": -1, "mask_token_id": d["mask_token_id"], "eos_token_ids": []}
     text = config_text(c, ids) + (
@@ -1118,10 +1129,7 @@ def export_synthetic(preset, out_path, fill, layers=None, seed=0, quiet=False, d
     plan = plan_tensors(ck, c, "auto")
     stats = None
     if dtype in ("q8", "q4") and fill == "none":     # holes of the quantized size: laguna --random-weights fills them
-        plan = [(n, dt, shp, p) if len(shp) < 2 or n.endswith("mlp.gate.weight") else
-                (n, q, shp, lambda q=q, shp=shp: iter([tensor_nbytes(q, shp)]))
-                for n, dt, shp, p in plan
-                for q in [DT_Q8 if dtype == "q8" or n.endswith("embed_tokens.weight") else DT_Q4]]
+        plan = quantized_holes(plan, dtype)
     else:
         plan, stats = quantize_plan(plan, dtype, say)
     say(f"synthetic {preset}: {c['n_layers']} layers, weights {'random' if fill == 'random' else 'left as holes'}")

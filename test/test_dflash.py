@@ -322,6 +322,22 @@ def test_synthetic_drafter_preset(laguna, models, tmp_path):
                  "dflash_causal": "1", "dflash_num_target_layers": "40"}.items():
         assert cfg[k] == v, (k, cfg[k])
     expect_error([laguna, models["xs2"], "-d", str(out), "--ids", "1 2"], "vocabulary (100352)")
+    # --dtype q8 / q4: every matrix a hole of its quantized size (q8: 34 bytes a group of 32, q4: 18), which the
+    # loader binds (it checks every size) before it compares the drafter with the target
+    for dt, code, group_bytes in (("q8", 3, 34), ("q4", 4, 18)):
+        q = tmp_path / f"xs21-dflash-{dt}.bin"
+        run([sys.executable, os.path.join(ROOT, "export.py"), "-q", "--synthetic", "XS-2.1-DFlash", "--dtype", dt, str(q)])
+        with open(q, "rb") as f:
+            head = f.read(1 << 20)
+        doff, n = struct.unpack_from("<QQ", head, 40)
+        ents = [struct.unpack_from("<80sII4qQ", head, doff + i * 128) for i in range(n)]
+        mats = [(e[0].split(b"\0")[0].decode(), e[1], e[3:3 + e[2]]) for e in ents if e[2] == 2]
+        assert len(mats) == 5 * 8 + 1 and all(m[1] == code for m in mats), mats[:3]   # 5 layers x 8, fc
+        sizes = sorted((e[-1], e) for e in ents)
+        for (o0, e0), (o1, _) in zip(sizes, sizes[1:]):
+            if e0[2] == 2:
+                assert o1 - o0 >= e0[3] * -(-e0[4] // 32) * group_bytes, e0[0]
+        expect_error([laguna, models["xs2"], "-d", str(q), "--ids", "1 2"], "vocabulary (100352)")
 
 
 def test_random_weights_fill_the_drafter_too(laguna, models, tmp_path):
