@@ -1373,6 +1373,7 @@ static void dflash_init(DFlash *df, Model *d, const char *path, Model *target, G
     if (dc->mask_id < 0 || dc->mask_id >= tc->vocab_size) die("the drafter's mask token %d is outside the vocabulary", dc->mask_id);
     d->weights.embed = target->weights.embed;       /* the drafter shares the target's embedding and lm_head */
     d->weights.lm_head = target->weights.lm_head;
+    d->target = target;                             /* its plain dtype is the target's (model_plain_dtype) */
     df->d = d;
     df->block = dc->block_size;
     if (draft_max > 0 && draft_max + 1 < df->block) df->block = draft_max + 1;
@@ -1696,14 +1697,8 @@ int main(int argc, char **argv) {
     }
 
     char info[256] = "";
-    /* the backend first: it sets the default chunk. DFlash with a quantized target runs on the CPU for now. */
-    int quantized = 0;
-    for (uint64_t i = 0; i < model.n_tensors; i++) quantized |= model.dir[i].dtype == DT_Q8 || model.dir[i].dtype == DT_Q4;
+    /* the backend first: it sets the default chunk */
     int use_gpu = !o.cpu && gpu_available(info, sizeof info);
-    if (use_gpu && quantized && o.draft_path) {
-        if (!o.quiet) fprintf(stderr, "note: DFlash with a quantized model runs on the CPU backend in this version\n");
-        use_gpu = 0;
-    }
     int max_tokens = o.chunk ? o.chunk : use_gpu ? 2048 : 64;   /* GPU: big prefill chunks */
     if (o.draft_path && max_tokens < 64) max_tokens = 64;   /* a verify block must fit in one forward */
     int ctx = choose_ctx(c, &o, max_tokens);

@@ -3480,6 +3480,8 @@ __global__ void __launch_bounds__(SAMPLE_THREADS) sample_pick(const float *logit
 
 struct GpuLayer {
     void *wqkvg;             /* [NQ, H]: wq, wk, wv, wg rows stacked (NQ = nh*D + 2*KVD + GD) */
+    void *wkv;               /* drafter: [2*KVD, H], the k and v rows (the context add): a slice of wqkvg, or for
+                              * q8 / q4 (whose scale plane follows all NQ rows) a copy of their own */
     float *bqkvg;            /* [NQ] biases (g part zero) or NULL */
     void *wo;                /* [H, nh*D] */
     float *bo;               /* [H] or NULL */
@@ -3579,6 +3581,7 @@ struct GpuModel {
     float *taps;             /* target: [T, n_taps, H] the residual stream after the tap layers, every row */
     int n_taps, tap_layers[LAGUNA_MAX_TAPS];
     void *fc;                /* drafter: [H, n_taps*H] */
+    int fcdt;                /* drafter: fc's format (bf16 / f32: -1, as gemm's wdt; or q8 / q4) */
     float *hidden_norm;      /* drafter: [H] */
     float *aux_norm;         /* drafter: [n_taps, H] the per-tap norms, stacked */
     float *cat, *ctxv;       /* drafter: [T, n_taps*H] normed taps side by side, [T, H] the fused context */
@@ -3716,6 +3719,7 @@ static void upload_weights(Uploader *u) {
     u->bytes = 0;
     if (c->block_size) {     /* a DFlash drafter: the context fusion; embed and lm_head are the target's (linked later) */
         g->fc = weight(u, &w->fc);
+        g->fcdt = is_quant(w->fc.dtype) ? w->fc.dtype : -1;
         g->hidden_norm = f32(u, &w->hidden_norm);
         g->aux_norm = (float *)reserve(u, (size_t)c->n_taps * c->dim * 4);
         for (int i = 0; i < c->n_taps; i++)
@@ -3736,6 +3740,11 @@ static void upload_weights(Uploader *u) {
         GpuLayer *L = &g->L[l];
         const Tensor *qkvg[4] = {&lw->wq, &lw->wk, &lw->wv, &lw->wg};
         L->wqkvg = stacked(u, qkvg, c->gated ? 4 : 3);
+        if (c->block_size) {
+            const Tensor *kv[2] = {&lw->wk, &lw->wv};
+            L->wkv = is_quant(lw->wk.dtype) ? stacked(u, kv, 2)
+                   : L->wqkvg ? (char *)L->wqkvg + (size_t)L->nh * c->head_dim * c->dim * dsize(g) : NULL;
+        }
         L->bqkvg = NULL;
         if (c->attention_bias) {
             L->bqkvg = (float *)reserve(u, (size_t)L->NQ * 4);
@@ -3871,9 +3880,6 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
     g->long_from = getenv("LAGUNA_LONG_FROM") ? atoi(getenv("LAGUNA_LONG_FROM")) : long_default;
     g->edt = is_quant(mw->embed.dtype) ? mw->embed.dtype : plain_dt;
     g->ldt = c->tied_embeddings ? g->edt : is_quant(mw->lm_head.dtype) ? mw->lm_head.dtype : plain_dt;
-    if (c->block_size && (is_quant(g->wdt) || (mw->fc.data && is_quant(mw->fc.dtype))))
-        GFAIL("a quantized DFlash drafter runs on the CPU backend in this version\n  hint: use --cpu, or export the "
-              "drafter with --dtype bf16");
     for (int l = 0; l < c->n_layers; l++) {
         const LayerWeights *lw = &mw->layers[l];
         const Tensor *ts[] = {&lw->wq, &lw->wk, &lw->wv, &lw->wg, &lw->wo, &lw->w_gate, &lw->w_up, &lw->w_down,
@@ -3995,10 +4001,12 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
         ALLOC(g->blk_cnt, ((size_t)T / ROUTE_TOK + 1) * E, int);
         ALLOC(g->tile_start, E + 1, int);
     }
-    if (is_quant(g->wdt) || is_quant(g->ldt)) {
-        /* the largest matrix the GEMMs read dequantized: a layer's projections, lm_head, or one projection of all
-         * experts (only the active ones are written, each at its place) */
+    const int fc_q = c->block_size && is_quant(mw->fc.dtype);
+    if (is_quant(g->wdt) || is_quant(g->ldt) || fc_q) {
+        /* the largest matrix the GEMMs read dequantized: a layer's projections, lm_head, one projection of all
+         * experts (only the active ones are written, each at its place), or a drafter's fc */
         size_t most = is_quant(g->ldt) ? (size_t)c->vocab_size * H : 0;
+        if (fc_q && (size_t)c->n_taps * H * H > most) most = (size_t)c->n_taps * H * H;
         if (is_quant(g->wdt)) {
             size_t cand[] = {(size_t)NQ * H, (size_t)QD * H, (size_t)2 * hid * H, (size_t)E * 2 * I * H};
             for (size_t i = 0; i < sizeof cand / sizeof cand[0]; i++) if (cand[i] > most) most = cand[i];
@@ -5025,7 +5033,7 @@ extern "C" void gpu_drafter_add_context(GpuModel *g, GpuModel *target, int row0,
         rmsnorm_groups_kernel<<<k * NT, 256, 0, g->stream>>>(g->cat, target->taps + (size_t)(row0 + r0) * NT * H,
                                                              g->aux_norm, NT, H, c->norm_eps);
         LAUNCH_CHECK();
-        gemm(g, g->ctxv, H, g->fc, H, NT * H, g->cat, k, 0.0f);
+        gemm(g, g->ctxv, H, g->fc, H, NT * H, g->cat, k, 0.0f, g->fcdt);
         rmsnorm_kernel<<<k, 256, 0, g->stream>>>(g->ctxv, g->ctxv, H, g->hidden_norm, H, c->norm_eps, NULL);
         LAUNCH_CHECK();
         for (int l = 0; l < c->n_layers; l++) {
@@ -5034,7 +5042,7 @@ extern "C" void gpu_drafter_add_context(GpuModel *g, GpuModel *target, int row0,
             /* the layer's input norm, then only the k and v rows of the stacked projection, into their columns of qkvg */
             rmsnorm_kernel<<<k, 256, 0, g->stream>>>(g->xb, g->ctxv, H, L->attn_norm, H, c->norm_eps, NULL);
             LAUNCH_CHECK();
-            gemm(g, g->qkvg + QD, L->NQ, (const char *)L->wqkvg + (size_t)QD * H * dsize(g), 2 * KVD, H, g->xb, k, 0.0f);
+            gemm(g, g->qkvg + QD, L->NQ, L->wkv, 2 * KVD, H, g->xb, k, 0.0f, is_quant(g->wdt) ? g->wdt : -1);
             /* k_norm, RoPE at the absolute positions and the ring append: the q/k-norm kernel with no query heads */
             dim3 rg(k, (2 * nkv + 3) / 4);
 #define QKR(KV) qk_norm_rope_kernel<KV><<<rg, 128, 0, g->stream>>>(g->qkvg + QD, L->NQ, 0, nkv, D, L->q_norm, L->k_norm, \

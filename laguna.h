@@ -159,7 +159,7 @@ typedef struct {
     int n_threads;
 } RunState;
 
-typedef struct {
+typedef struct Model {
     Config config;
     Weights weights;
     RunState state;
@@ -175,6 +175,7 @@ typedef struct {
     int random_weights;
     uint64_t random_seed;
     int kv;                  /* --kv: KV_AUTO (the weights' dtype on the GPU), KV_BF16, KV_F32 or KV_FP8 */
+    const struct Model *target;   /* a DFlash drafter: the model it drafts for (dflash_init); NULL otherwise */
 } Model;
 
 /* The KV cache's element type (--kv). The GPU stores it; the CPU always stores fp32, and with KV_FP8 (or KV_BF16 given
@@ -183,8 +184,10 @@ typedef struct {
 enum { KV_AUTO = 0, KV_BF16 = 1, KV_F32 = 2, KV_FP8 = 3 };
 
 /* The dtype of a model's unquantized weights: the embedding's, or in a q8 / q4 file (whose embedding is q8 too) the
- * routers'. bf16 means bf16 activations for the GPU's GEMMs and, by default, a bf16 KV cache there. */
+ * routers'; a drafter follows its target (it shares the target's embedding and lm_head, and a q8 / q4 drafter has no
+ * unquantized matrix to ask). bf16 means bf16 activations for the GPU's GEMMs and, by default, a bf16 KV cache there. */
 static inline int model_plain_dtype(const Model *m) {
+    if (m->target) return model_plain_dtype(m->target);
     int dt = m->weights.embed.dtype;
     for (int l = 0; l < m->config.n_layers && (dt == DT_Q8 || dt == DT_Q4); l++)
         if (m->config.mlp_type[l] == MLP_SPARSE) dt = m->weights.layers[l].router.dtype;

@@ -1141,9 +1141,8 @@ def test_gpu_quant_graph_equals_plain_launches(laguna_gpu, exported, name, dtype
         assert graph == plain
 
 
-def test_gpu_quant_loader_refusals_and_dflash(laguna_gpu, exported, tmp_path):
-    """an inconsistent scale plane is refused by the GPU build as by the CPU one (load_model, before either backend);
-    DFlash with a quantized target runs on the CPU (a note), a quantized drafter beside a GPU target is refused"""
+def test_gpu_quant_loader_refusals(laguna_gpu, exported, tmp_path):
+    """an inconsistent scale plane is refused by the GPU build as by the CPU one (load_model, before either backend)"""
     from test_model import expect_error
     from test_quant import read_file
     import struct
@@ -1157,14 +1156,84 @@ def test_gpu_quant_loader_refusals_and_dflash(laguna_gpu, exported, tmp_path):
         p.write_bytes(bytes(data))
         for extra in ([], ["--cpu"]):
             expect_error([laguna_gpu, str(p), "--ids", "1 2", *extra], phrase)
-    prompt = open(fx("xs2_f32", "prompt.txt")).read().strip()
-    args = ["--ids", prompt, "-t", "0", "-n", "12"]
-    r = run([laguna_gpu, exported("xs2_f32", "--dtype", "q8"), "-d", exported("draft_xs2"), *args])
-    assert "runs on the CPU backend" in r.stderr
-    want = run([laguna_gpu, exported("xs2_f32", "--dtype", "q8"), *args, "-q", "--cpu"]).stdout
-    assert r.stdout == want
-    expect_error([laguna_gpu, exported("xs2_f32"), "-d", exported("draft_xs2", "--dtype", "q4"), *args],
-                 "quantized DFlash drafter")
+
+
+@pytest.mark.parametrize("dtype", ["q8", "q4"])
+@pytest.mark.parametrize("pair", ["xs2", "v16"])
+def test_gpu_dflash_quantized(laguna_gpu, exported, pair, dtype, tmp_path):
+    """DFlash on the GPU with a q8 / q4 target, beside the f32 drafter and beside the drafter quantized the same way
+    (its stacked k / v rows and fc in q8 / q4): greedy with the drafter == the CPU without it, the same verify steps,
+    drafts and acceptances as the CPU's loop, and draft logits within the f32 bar of the CPU's on the same file."""
+    tgt, drf = DRAFT_PAIRS[pair]
+    target, ids = exported(tgt, "--dtype", dtype), score_ids(tgt)
+    P = 12
+    for dname, drafter in (("f32", exported(drf)), (dtype, exported(drf, "--dtype", dtype))):
+        accepted = 0
+        for plen in (5, 13):
+            prompt = " ".join(ids[:plen])
+            want = greedy(laguna_gpu, target, prompt, "-n", "40", "--cpu")
+            args = [laguna_gpu, target, "--ids", prompt, "-t", "0", "-n", "40", "-d", drafter]
+            r = run(args)
+            assert "gpu drafter:" in r.stderr
+            assert r.stdout.split() == want, (dname, plen)
+            counts = dflash_counts(r.stderr)
+            assert counts == dflash_counts(run(args + ["--cpu"]).stderr), (dname, plen)
+            accepted += counts[2]
+        got = {}
+        for dev in ("gpu", "cpu"):
+            out = tmp_path / f"dl_{dev}.bin"
+            run([laguna_gpu, target, "-d", drafter, "--ids", " ".join(ids[:P + 1]), "--draft-logits", str(out), "-q"]
+                + (["--cpu"] if dev == "cpu" else []))
+            got[dev] = np.fromfile(out, dtype=np.float32)
+        d = float(np.abs(got["gpu"] - got["cpu"]).max())
+        print(f"\n[gpu dflash] {pair} {dtype} target, {dname} drafter: greedy with the drafter == the CPU without it, "
+              f"counts == the CPU's ({accepted} accepted); draft logits max |GPU - CPU| = {d:.3g} (bar {TOL_F32})")
+        assert got["gpu"].size > 0 and d <= TOL_F32
+
+
+@pytest.mark.parametrize("dtype", ["q8", "q4"])
+def test_gpu_dflash_quantized_bf16_based(laguna_gpu, tmp_path, dtype):
+    """The real checkpoint's case: a bf16 checkpoint exported q8 / q4 (its router bf16, so bf16 activations and the
+    few-token tensor-core kernels on the quantized weights), with the bf16 drafter and the drafter quantized alike.
+    Draft logits vs the CPU on the same file within the bf16 bar; greedy with the drafter == the GPU's own greedy
+    without it (the verify's 16-row kernels and the decode matvecs round differently: reported, xfailed past it like
+    the other bf16 checks)."""
+    from safetensors.numpy import load_file
+    from test_dflash import write_bf16_safetensors
+    paths = {}
+    for name in ("xs2_f32", "draft_xs2"):          # the fixtures' checkpoints rewritten in bf16
+        d = tmp_path / name
+        shutil.copytree(fx(name, "hf"), d)
+        st = str(d / "model.safetensors")
+        write_bf16_safetensors(load_file(st), st)
+        paths[name] = d
+
+    def export_(name, dt):
+        out = str(tmp_path / f"{name}_{dt}.bin")
+        run([sys.executable, os.path.join(ROOT, "export.py"), "-q", str(paths[name]), out, "--dtype", dt])
+        return out
+    target = export_("xs2_f32", dtype)
+    ids = score_ids("xs2_f32")
+    worst, same = 0.0, True
+    for dname, drafter in (("bf16", export_("draft_xs2", "bf16")), (dtype, export_("draft_xs2", dtype))):
+        got = {}
+        for dev in ("gpu", "cpu"):
+            out = tmp_path / f"dl_{dev}.bin"
+            run([laguna_gpu, target, "-d", drafter, "--ids", " ".join(ids[:21]), "--draft-logits", str(out), "-q"]
+                + (["--cpu"] if dev == "cpu" else []))
+            got[dev] = np.fromfile(out, dtype=np.float32)
+        d = float(np.abs(got["gpu"] - got["cpu"]).max())
+        prompt = " ".join(ids[:20])
+        plain = greedy(laguna_gpu, target, prompt, "-n", "40")
+        r = run([laguna_gpu, target, "--ids", prompt, "-t", "0", "-n", "40", "-d", drafter])
+        assert "gpu drafter:" in r.stderr and len(r.stdout.split()) == 40
+        print(f"\n[gpu dflash] bf16-based {dtype} target, {dname} drafter: draft logits max |GPU - CPU| = {d:.3g} "
+              f"(bar {TOL_BF16}); greedy with the drafter == without: {r.stdout.split() == plain} "
+              f"({dflash_counts(r.stderr)[2]} accepted)")
+        assert got["gpu"].size == got["cpu"].size > 0
+        worst, same = max(worst, d), same and r.stdout.split() == plain
+    if worst > TOL_BF16 or not same:
+        pytest.xfail("bf16 K/V and GEMM-input rounding (dev/gpu_notes.md)")
 
 
 @pytest.mark.parametrize("dtype", ["q8", "q4"])
