@@ -1190,7 +1190,7 @@ template <typename KV, int D, int WARPS, bool KS = false>
 __global__ void __launch_bounds__(WARPS * 32)
 attention_flash(const float *qkvg, int NQ, int n, int g, int nh, const KV *kc, const KV *vc, int rows,
                 int KVD, const int *pos_ptr, int window, int causal, int nsplit, float *part_o, float2 *part_ml,
-                float scale_log2, float *att, int gate_off, int gate_per_head) {
+                float scale_log2, float *att, int gate_off, int gate_per_head, bf16 *att16) {
     TRACE_BLOCK();
     /* KS (one token's <= 16 rows): the warps share the rows and split each tile's keys, 16 each, then merge */
     constexpr int BM = KS ? 16 : 16 * WARPS, BN = 64, LD = D + 8;   /* +8: conflict-free ldmatrix rows */
@@ -1429,6 +1429,7 @@ attention_flash(const float *qkvg, int NQ, int n, int g, int nh, const KV *kc, c
                     int d = dt * 8 + tig * 2 + j;
                     float gt = gate_off < 0 ? 1.0f : softplus(gate[gate_per_head ? hd : hd * D + d]);   /* < 0: no gate */
                     out[d] = o[dt][2 * i + j] / l[i] * gt;
+                    if (att16) att16[((size_t)t * nh + hd) * D + d] = __float2bfloat16(out[d]);
                 }
             continue;
         }
@@ -1894,7 +1895,7 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
  * gate_off < 0: a drafter with gating disabled).
  * The split weights go through shared memory; splits left empty by a short context are skipped. */
 __global__ void attention_combine(float *att, const float *part_o, const float2 *part_ml, int nsplit, int nh,
-                                  int D, const float *qkvg, int NQ, int gate_off, int gate_per_head) {
+                                  int D, const float *qkvg, int NQ, int gate_off, int gate_per_head, bf16 *att16) {
     TRACE_BLOCK();
     griddep_wait();
     griddep_launch();
@@ -1926,6 +1927,7 @@ __global__ void attention_combine(float *att, const float *part_o, const float2 
             if (wsp[s] > 0.0f) acc += part_o[(idx + s) * D + d] * wsp[s];
         float gt = gate_off < 0 ? 1.0f : softplus(gate[gate_per_head ? hd : hd * D + d]);
         att[((size_t)t * nh + hd) * D + d] = acc / L * gt;
+        if (att16) att16[((size_t)t * nh + hd) * D + d] = __float2bfloat16(acc / L * gt);
     }
 }
 
@@ -2617,7 +2619,7 @@ __global__ void __launch_bounds__(256, 2) moe_down_decode(float *x, WPtr experts
  *   times tokens 2t and 2t + 1 of each half (acc[h][0..1] row g, acc[h][2..3] row g + 8).
  * The weights are read once whatever n is; the tokens' 16 bytes come from L1 / L2. */
 __device__ __forceinline__ uint4 few_x8(const bf16 *p) { return __ldg((const uint4 *)p); }
-__device__ __forceinline__ uint4 few_x8(const float *p) {     /* f32 inputs (o_proj's, the dense down's): to bf16 */
+__device__ __forceinline__ uint4 few_x8(const float *p) {     /* f32 inputs (gemm's x of f32 rows): to bf16 */
     float4 a = __ldg((const float4 *)p), b = __ldg((const float4 *)p + 1);
     return make_uint4(pack_bf16(a.x, a.y), pack_bf16(a.z, a.w), pack_bf16(b.x, b.y), pack_bf16(b.z, b.w));
 }
@@ -3478,6 +3480,8 @@ __global__ void __launch_bounds__(SAMPLE_THREADS) sample_pick(const float *logit
 /* ----------------------------------------------------------------------------
  * the model on the device */
 
+#define ARGMAX_SLICES 32      /* blocks a row of the n-row argmax (argmax_slices; one lane each in argmax_merge) */
+
 struct GpuLayer {
     void *wqkvg;             /* [NQ, H]: wq, wk, wv, wg rows stacked (NQ = nh*D + 2*KVD + GD) */
     void *wkv;               /* drafter: [2*KVD, H], the k and v rows (the context add): a slice of wqkvg, or for
@@ -3517,6 +3521,7 @@ struct GpuModel {
     int qwarp;               /* LAGUNA_QWARP=1: q8 / q4 decode matvecs and experts by the warp kernels, not column slices */
     int few;                 /* bf16 GEMMs and experts of 2..16 tokens on tensor cores (gemm_few; LAGUNA_NO_FEW=1: cuBLAS
                                 and the warp kernels, a test and timing hook) */
+    int split_max;           /* LAGUNA_SPLIT_MAX: at most this many key splits for n-token attention (0: no cap) */
     double few_max;          /* gemm_few for matrices of at most this many elements, cuBLAS above (LAGUNA_FEW_MAX: a timing
                                 hook) */
     int few_q;               /* q8 / q4 matrices and experts of 2..16-token forwards (bf16-based files) by gemm_few and
@@ -3578,6 +3583,7 @@ struct GpuModel {
     char summary[256];
     /* DFlash (the section at the end of this file) */
     int *ids, *h_ids;        /* [T] each row's argmax (gpu_forward_argmax), on the device and pinned on the host */
+    int2 *amax_part;         /* [T, ARGMAX_SLICES] the argmax's slices: (value bits, index) */
     float *taps;             /* target: [T, n_taps, H] the residual stream after the tap layers, every row */
     int n_taps, tap_layers[LAGUNA_MAX_TAPS];
     void *fc;                /* drafter: [H, n_taps*H] */
@@ -3827,6 +3833,7 @@ static int split_for(const GpuModel *g, int keys, int row_blocks, int n) {
     int most = (keys + 63) / 64;
     if (s > most) s = most;
     if (s > 64) s = 64;
+    if (n > 1 && g->split_max > 0 && s > g->split_max) s = g->split_max;
     size_t cap = g->part_cap / ((size_t)n * g->c.max_heads * g->c.head_dim);
     if ((size_t)s > cap) s = (int)cap;
     return s < 1 ? 1 : s;
@@ -3867,6 +3874,7 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
     g->few = getenv("LAGUNA_NO_FEW") == NULL;
     g->few_q = getenv("LAGUNA_NO_FEW_Q") == NULL;
     g->few_max = getenv("LAGUNA_FEW_MAX") ? atof(getenv("LAGUNA_FEW_MAX")) : 4194304.0;   /* 8 MB of bf16 */
+    g->split_max = getenv("LAGUNA_SPLIT_MAX") ? atoi(getenv("LAGUNA_SPLIT_MAX")) : 0;      /* a tuning hook */
     int D = c->head_dim, H = c->dim, KVD = c->kv_dim, T = max_tokens, E = c->n_experts, K = c->n_experts_active;
     /* formats: the matmul weights all quantized alike (q8 or q4) or none of them; the embedding (and with it a tied
      * lm_head) and lm_head may be quantized on their own (export.py: the embedding is q8 in q4 files too); the
@@ -3979,6 +3987,7 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
     ALLOC(g->sample_s, sample_scratch_bytes(c->vocab_size), char);
     ALLOC(g->counters, 1 + c->n_kv_heads, int);
     ALLOC(g->ids, T, int);
+    ALLOC(g->amax_part, (size_t)T * ARGMAX_SLICES, int2);
     if (E) {
         ALLOC(g->router_logits, (size_t)T * E, float);
         ALLOC(g->topk_idx, P, int);
@@ -4091,7 +4100,7 @@ extern "C" void gpu_free(GpuModel *g) {
     void *dev[] = {g->wbuf, g->kvbuf, g->x, g->xb, g->qkvg, g->att, g->mlp_h, g->mlp_act, g->act16, g->logits,
                    g->part_o, g->part_ml, g->tokens, g->pos, g->d_step, g->sample_s, g->counters, g->router_logits, g->topk_idx, g->topk_w,
                    g->pair_w, g->pair_tok, g->inv, g->start, g->active, g->n_active, g->h_pair, g->hs, g->y_pair,
-                   g->ys, g->x_sorted, g->act_sorted, g->gptr, g->blk_cnt, g->tile_start, g->ids, g->taps, g->cat,
+                   g->ys, g->x_sorted, g->act_sorted, g->gptr, g->blk_cnt, g->tile_start, g->ids, g->amax_part, g->taps, g->cat,
                    g->ctxv, g->wdq, g->act_few, g->xq, g->hq};
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++) if (dev[i]) cudaFree(dev[i]);
     for (int i = 0; i < 2; i++) if (g->step_done[i]) cudaEventDestroy(g->step_done[i]);
@@ -4375,6 +4384,9 @@ static void attention(GpuModel *g, int l, int n, int pos) {
     int window = sliding ? c->sliding_window : 0;
     float scale_log2 = 1.4426950408889634f / sqrtf((float)D);
     const int *pos_ptr = g->pos;
+    /* n > 1 on a bf16 file: the output also in bf16 into act16, o_proj's GEMM input (the values gemm's conversion
+     * of att would write) */
+    bf16 *att16 = n > 1 && g->bf ? (bf16 *)g->act16 : NULL;
     int nsplit = 1;
     if (fused_decode_attention(g, l, n)) {
         /* one token: q/k norm, RoPE, the K/V append, split-K attention, merge and gate in one launch; sliding layers
@@ -4414,7 +4426,7 @@ static void attention(GpuModel *g, int l, int n, int pos) {
 #define FLASH(KV, DD, WW) (ks ? attention_flash<KV, DD, WW, true> : attention_flash<KV, DD, WW, false>)<<<grid, WW * 32, \
         flash_smem_bytes(DD), g->stream>>>(g->qkvg, L->NQ, n, \
         gq, L->nh, (const KV *)L->kc, (const KV *)L->vc, L->rows, c->kv_dim, pos_ptr, window, c->causal, nsplit, g->part_o, \
-        g->part_ml, scale_log2, g->att, c->gated ? L->nh * D + 2 * c->kv_dim : -1, c->gate_per_head)
+        g->part_ml, scale_log2, g->att, c->gated ? L->nh * D + 2 * c->kv_dim : -1, c->gate_per_head, att16)
 #define FLASH_W(KV) \
         if (warps == 1) { switch (D) { case 16: FLASH(KV, 16, 1); break; case 32: FLASH(KV, 32, 1); break; case 64: FLASH(KV, 64, 1); break; default: FLASH(KV, 128, 1); } } \
         else { switch (D) { case 16: FLASH(KV, 16, 4); break; case 32: FLASH(KV, 32, 4); break; case 64: FLASH(KV, 64, 4); break; default: FLASH(KV, 128, 4); } }
@@ -4426,7 +4438,7 @@ static void attention(GpuModel *g, int l, int n, int pos) {
     }
     LAUNCH_CHECK();
     attention_combine<<<n * L->nh, D < 32 ? 32 : D, 0, g->stream>>>(g->att, g->part_o, g->part_ml, nsplit, L->nh, D,
-        g->qkvg, L->NQ, c->gated ? L->nh * D + 2 * c->kv_dim : -1, c->gate_per_head);
+        g->qkvg, L->NQ, c->gated ? L->nh * D + 2 * c->kv_dim : -1, c->gate_per_head, att16);
     LAUNCH_CHECK();
 }
 
@@ -4710,7 +4722,7 @@ static void forward_gpu(GpuModel *g, int n, int pos, int all_logits) {
         /* o_proj straight into the residual stream */
         if (n == 1) matvec<W>(g, g->x, L->wo, H, QD, g->att, NULL, NULL, L->bo, 1);
         else {
-            gemm(g, g->x, H, L->wo, H, QD, g->att, n, 1.0f, DT);
+            gemm(g, g->x, H, L->wo, H, QD, g->att, n, 1.0f, DT, g->bf);   /* bf16 files: att16 in act16 */
             if (L->bo) { add_bias_kernel<<<grid_for((size_t)n * H, 256), 256, 0, g->stream>>>(g->x, L->bo, n, H); LAUNCH_CHECK(); }
             prof_mark(g, "o_proj");
         }
@@ -4719,9 +4731,11 @@ static void forward_gpu(GpuModel *g, int n, int pos, int all_logits) {
         norm_rows(g, g->x, L->ffn_norm, n);
         if (L->dense) {
             gemm(g, g->mlp_h, 2 * L->hid, L->gate_up, 2 * L->hid, H, g->xb, n, 0.0f, DT, 1);
-            swiglu_kernel<float><<<grid_for((size_t)n * L->hid, 256), 256, 0, g->stream>>>(g->mlp_act, g->mlp_h, n, L->hid);
+            /* bf16 files: the SwiGLU output straight into act16, the bf16 values gemm's conversion would write */
+            if (g->bf) swiglu_kernel<bf16><<<grid_for((size_t)n * L->hid, 256), 256, 0, g->stream>>>((bf16 *)g->act16, g->mlp_h, n, L->hid);
+            else swiglu_kernel<float><<<grid_for((size_t)n * L->hid, 256), 256, 0, g->stream>>>(g->mlp_act, g->mlp_h, n, L->hid);
             LAUNCH_CHECK();
-            gemm(g, g->x, H, L->down, H, L->hid, g->mlp_act, n, 1.0f, DT);
+            gemm(g, g->x, H, L->down, H, L->hid, g->mlp_act, n, 1.0f, DT, g->bf);
             prof_mark(g, "dense mlp");
         } else {
             moe_many<W, P>(g, l, n);
@@ -4934,29 +4948,41 @@ __global__ void rmsnorm_groups_kernel(float *out, const float *x, const float *w
     for (int i = threadIdx.x; i < H; i += blockDim.x) out[r * H + i] = wr[i] * (xr[i] * inv);
 }
 
-/* out[t] = argmax of row t, the first index on ties (argmax() in laguna.c); one block per row */
-__global__ void __launch_bounds__(1024) argmax_rows_kernel(const float *x, int V, int *out) {
-    __shared__ float sv[32];
-    __shared__ int si[32];
-    const float *row = x + (size_t)blockIdx.x * V;
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+/* The argmax of each of n rows, the first index on ties (argmax() in laguna.c), in two passes: ARGMAX_SLICES blocks a
+ * row each take their slice's (argmax_slices), then a warp a row merges the slices in index order (argmax_merge). One
+ * block a row took 25-39 us for a 16-row DFlash block at V 100,352 (16 rows on 16 of the H200's SMs). */
+/* (v, i) into (bv, bi) where i is the better index: larger value, or equal and smaller; i == V: nothing seen */
+__device__ __forceinline__ void argmax_take(float &bv, int &bi, float v, int i, int V) {
+    if (i < V && (bi == V || v > bv || (v == bv && i < bi))) { bv = v; bi = i; }
+}
+__global__ void __launch_bounds__(256) argmax_slices(const float *x, int V, int2 *part) {
+    __shared__ float sv[8];
+    __shared__ int si[8];
+    const int row = blockIdx.y, per = (V + ARGMAX_SLICES - 1) / ARGMAX_SLICES;
+    const int lo = blockIdx.x * per, hi = min(V, lo + per);
+    const float *r = x + (size_t)row * V;
     float bv = -INFINITY;
-    int bi = V;                                        /* V: no element seen */
-    for (int i = threadIdx.x; i < V; i += blockDim.x)
-        if (bi == V || row[i] > bv) { bv = row[i]; bi = i; }
-    for (int o = 16; o > 0; o >>= 1) {
-        float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-        int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-        if (oi < V && (bi == V || ov > bv || (ov == bv && oi < bi))) { bv = ov; bi = oi; }
-    }
-    if (lane == 0) { sv[warp] = bv; si[warp] = bi; }
+    int bi = V;
+    for (int i = lo + threadIdx.x; i < hi; i += blockDim.x)          /* each thread's indices increase: keep the first */
+        if (bi == V || r[i] > bv) { bv = r[i]; bi = i; }
+    for (int o = 16; o > 0; o >>= 1)
+        argmax_take(bv, bi, __shfl_xor_sync(0xffffffffu, bv, o), __shfl_xor_sync(0xffffffffu, bi, o), V);
+    if ((threadIdx.x & 31) == 0) { sv[threadIdx.x >> 5] = bv; si[threadIdx.x >> 5] = bi; }
     __syncthreads();
     if (threadIdx.x == 0) {
-        for (int w = 1; w < (int)(blockDim.x >> 5); w++)
-            if (si[w] < V && (si[0] == V || sv[w] > sv[0] || (sv[w] == sv[0] && si[w] < si[0]))) { sv[0] = sv[w]; si[0] = si[w]; }
-        out[blockIdx.x] = si[0] < V ? si[0] : 0;
+        for (int w = 1; w < (int)(blockDim.x >> 5); w++) argmax_take(bv, bi, sv[w], si[w], V);
+        part[(size_t)row * ARGMAX_SLICES + blockIdx.x] = make_int2(__float_as_int(bv), bi);
     }
 }
+__global__ void argmax_merge(const int2 *part, int V, int *out) {
+    const int2 p = part[(size_t)blockIdx.x * ARGMAX_SLICES + threadIdx.x];    /* one lane a slice */
+    float bv = __int_as_float(p.x);
+    int bi = p.y;
+    for (int o = 16; o > 0; o >>= 1)
+        argmax_take(bv, bi, __shfl_xor_sync(0xffffffffu, bv, o), __shfl_xor_sync(0xffffffffu, bi, o), V);
+    if (threadIdx.x == 0) out[blockIdx.x] = bi < V ? bi : 0;
+}
+static_assert(ARGMAX_SLICES == 32, "argmax_merge: one lane a slice");
 
 /* the residual stream after layer l, every row, into taps[t, slot, :] (the last layer's is before the final norm) */
 static void capture_taps(GpuModel *g, int l, int n) {
@@ -4972,10 +4998,14 @@ static void capture_taps(GpuModel *g, int l, int n) {
  * and the drafter's block). */
 extern "C" void gpu_forward_argmax(GpuModel *g, const int *tokens, int n, int pos, int *out) {
     enqueue_forward(g, tokens, n, pos, 1);
-    argmax_rows_kernel<<<n, 1024, 0, g->stream>>>(g->logits, g->c.vocab_size, g->ids);
+    argmax_slices<<<dim3(ARGMAX_SLICES, n), 256, 0, g->stream>>>(g->logits, g->c.vocab_size, g->amax_part);
     LAUNCH_CHECK();
+    argmax_merge<<<n, ARGMAX_SLICES, 0, g->stream>>>(g->amax_part, g->c.vocab_size, g->ids);
+    LAUNCH_CHECK();
+    prof_mark(g, "argmax");
     CUDA_CHECK(cudaMemcpyAsync(g->h_ids, g->ids, n * sizeof(int), cudaMemcpyDeviceToHost, g->stream));
     CUDA_CHECK(cudaStreamSynchronize(g->stream));
+    prof_collect(g);
     memcpy(out, g->h_ids, n * sizeof(int));
 }
 

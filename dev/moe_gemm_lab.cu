@@ -318,12 +318,12 @@ static void attn_case(const char *name, int n, int pos, int nh, int nkv, int win
     auto flash = [&](int nsplit, float *out) {
         dim3 grid(rb, nkv, nsplit);
         if (warps == 1) attention_flash<bf16, 128, 1><<<grid, 32, flash_smem_bytes(128), s>>>(qkvg, NQ, n, g, nh, kc, vc, rows, KVD,
-            pos_d, window, 1 /* causal */, nsplit, part_o, part_ml, scale_log2, out, gate_off, 1);
+            pos_d, window, 1 /* causal */, nsplit, part_o, part_ml, scale_log2, out, gate_off, 1, (bf16 *)NULL);
         else attention_flash<bf16, 128, 4><<<grid, 128, flash_smem_bytes(128), s>>>(qkvg, NQ, n, g, nh, kc, vc, rows, KVD,
-            pos_d, window, 1 /* causal */, nsplit, part_o, part_ml, scale_log2, out, gate_off, 1);
+            pos_d, window, 1 /* causal */, nsplit, part_o, part_ml, scale_log2, out, gate_off, 1, (bf16 *)NULL);
         LAUNCH_CHECK();
         if (nsplit > 1) {
-            attention_combine<<<n * nh, D, 0, s>>>(out, part_o, part_ml, nsplit, nh, D, qkvg, NQ, gate_off, 1);
+            attention_combine<<<n * nh, D, 0, s>>>(out, part_o, part_ml, nsplit, nh, D, qkvg, NQ, gate_off, 1, (bf16 *)NULL);
             LAUNCH_CHECK();
         }
     };
@@ -336,7 +336,7 @@ static void attn_case(const char *name, int n, int pos, int nh, int nkv, int win
         attention_scalar<bf16><<<dim3(n, nh), 32, 0, s>>>(qkvg, NQ, n, g, nh, D, kc, vc, rows, KVD, pos_d, window, 1 /* causal */, part_o,
                                                           part_ml, scale_log2);
         LAUNCH_CHECK();
-        attention_combine<<<n * nh, D, 0, s>>>(ref, part_o, part_ml, 1, nh, D, qkvg, NQ, gate_off, 1);
+        attention_combine<<<n * nh, D, 0, s>>>(ref, part_o, part_ml, 1, nh, D, qkvg, NQ, gate_off, 1, (bf16 *)NULL);
         LAUNCH_CHECK();
         auto compare = [&](int nsplit) {
             CUDA_CHECK(cudaMemsetAsync(att, 0xFF, (size_t)n * nh * D * 4, s));
