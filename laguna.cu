@@ -1926,8 +1926,9 @@ __global__ void attention_combine(float *att, const float *part_o, const float2 
         for (int s = 0; s < nsplit; s++)
             if (wsp[s] > 0.0f) acc += part_o[(idx + s) * D + d] * wsp[s];
         float gt = gate_off < 0 ? 1.0f : softplus(gate[gate_per_head ? hd : hd * D + d]);
-        att[((size_t)t * nh + hd) * D + d] = acc / L * gt;
-        if (att16) att16[((size_t)t * nh + hd) * D + d] = __float2bfloat16(acc / L * gt);
+        const float v = acc / L * gt;
+        att[((size_t)t * nh + hd) * D + d] = v;
+        if (att16) att16[((size_t)t * nh + hd) * D + d] = __float2bfloat16(v);
     }
 }
 
@@ -4010,7 +4011,7 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
         ALLOC(g->blk_cnt, ((size_t)T / ROUTE_TOK + 1) * E, int);
         ALLOC(g->tile_start, E + 1, int);
     }
-    const int fc_q = c->block_size && is_quant(mw->fc.dtype);
+    const int fc_q = is_quant(g->fcdt);           /* a drafter's q8 / q4 fc (upload_weights set fcdt) */
     if (is_quant(g->wdt) || is_quant(g->ldt) || fc_q) {
         /* the largest matrix the GEMMs read dequantized: a layer's projections, lm_head, one projection of all
          * experts (only the active ones are written, each at its place), or a drafter's fc */

@@ -805,6 +805,18 @@ def dflash_counts(stderr):
     return tuple(int(line.split(k)[0].split()[-1]) for k in (" verify steps", " drafted", " accepted"))
 
 
+def draft_logits(laguna, target, drafter, ids, tmp_path):
+    """--draft-logits after the prompt ids (prefill, context, one block forward) on the GPU and on the CPU."""
+    got = {}
+    for dev in ("gpu", "cpu"):
+        out = tmp_path / f"dl_{dev}.bin"
+        run([laguna, target, "-d", drafter, "--ids", " ".join(ids), "--draft-logits", str(out), "-q"]
+            + (["--cpu"] if dev == "cpu" else []))
+        got[dev] = np.fromfile(out, dtype=np.float32)
+    assert got["gpu"].size == got["cpu"].size > 0
+    return got["gpu"], got["cpu"]
+
+
 @pytest.mark.parametrize("pair,plens", [("xs2", (1, 7, 9, 13, 17, 30)), ("v16", (2, 5, 12))])
 def test_gpu_dflash_greedy_lossless(laguna_gpu, exported, pair, plens):
     """GPU with the drafter == GPU without == CPU, for --draft-max 1, 7, 15 and prompts across the target window
@@ -887,15 +899,10 @@ def test_gpu_dflash_draft_logits(laguna_gpu, exported, pair, fixture, checks, tm
     tgt, drf = DRAFT_PAIRS[pair]
     score = score_ids(tgt)
     for P in checks:
-        got = {}
-        for dev in ("gpu", "cpu"):
-            out = tmp_path / f"dl_{dev}.bin"
-            run([laguna_gpu, exported(tgt), "-d", exported(drf), "--ids", " ".join(score[:P + 1]), "--draft-logits",
-                 str(out), "-q"] + (["--cpu"] if dev == "cpu" else []))
-            got[dev] = np.fromfile(out, dtype=np.float32)
+        gpu, cpu = draft_logits(laguna_gpu, exported(tgt), exported(drf), score[:P + 1], tmp_path)
         ref = np.load(fx(fixture, f"draft_logits_{P}.npy"))
-        d_cpu = float(np.abs(got["gpu"] - got["cpu"]).max())
-        d_ref = float(np.abs(got["gpu"].reshape(ref.shape) - ref).max())
+        d_cpu = float(np.abs(gpu - cpu).max())
+        d_ref = float(np.abs(gpu.reshape(ref.shape) - ref).max())
         print(f"\n[gpu dflash] {fixture} P={P}: max |GPU - CPU| = {d_cpu:.3g}, |GPU - reference| = {d_ref:.3g} "
               f"(bar {TOL_F32})")
         assert d_cpu <= TOL_F32 and d_ref <= TOL_F32
@@ -979,13 +986,8 @@ def test_gpu_dflash_bf16_files(laguna_gpu, exported, tmp_path):
         tgt, drf = DRAFT_PAIRS[pair]
         target, drafter = exported(tgt, "--dtype", "bf16"), exported(drf, "--dtype", "bf16")
         ids = score_ids(tgt)
-        got = {}
-        for dev in ("gpu", "cpu"):
-            out = tmp_path / f"dl_{dev}.bin"
-            run([laguna_gpu, target, "-d", drafter, "--ids", " ".join(ids[:P + 1]), "--draft-logits", str(out), "-q"]
-                + (["--cpu"] if dev == "cpu" else []))
-            got[dev] = np.fromfile(out, dtype=np.float32)
-        d = float(np.abs(got["gpu"] - got["cpu"]).max())
+        gpu, cpu = draft_logits(laguna_gpu, target, drafter, ids[:P + 1], tmp_path)
+        d = float(np.abs(gpu - cpu).max())
         prompt = " ".join(ids[:P])
         plain = greedy(laguna_gpu, target, prompt, "-n", "40")
         with_d = greedy(laguna_gpu, target, prompt, "-n", "40", "-d", drafter)
@@ -1179,16 +1181,11 @@ def test_gpu_dflash_quantized(laguna_gpu, exported, pair, dtype, tmp_path):
             counts = dflash_counts(r.stderr)
             assert counts == dflash_counts(run(args + ["--cpu"]).stderr), (dname, plen)
             accepted += counts[2]
-        got = {}
-        for dev in ("gpu", "cpu"):
-            out = tmp_path / f"dl_{dev}.bin"
-            run([laguna_gpu, target, "-d", drafter, "--ids", " ".join(ids[:P + 1]), "--draft-logits", str(out), "-q"]
-                + (["--cpu"] if dev == "cpu" else []))
-            got[dev] = np.fromfile(out, dtype=np.float32)
-        d = float(np.abs(got["gpu"] - got["cpu"]).max())
+        gpu, cpu = draft_logits(laguna_gpu, target, drafter, ids[:P + 1], tmp_path)
+        d = float(np.abs(gpu - cpu).max())
         print(f"\n[gpu dflash] {pair} {dtype} target, {dname} drafter: greedy with the drafter == the CPU without it, "
               f"counts == the CPU's ({accepted} accepted); draft logits max |GPU - CPU| = {d:.3g} (bar {TOL_F32})")
-        assert got["gpu"].size > 0 and d <= TOL_F32
+        assert d <= TOL_F32
 
 
 @pytest.mark.parametrize("dtype", ["q8", "q4"])
@@ -1216,13 +1213,8 @@ def test_gpu_dflash_quantized_bf16_based(laguna_gpu, tmp_path, dtype):
     ids = score_ids("xs2_f32")
     worst, same = 0.0, True
     for dname, drafter in (("bf16", export_("draft_xs2", "bf16")), (dtype, export_("draft_xs2", dtype))):
-        got = {}
-        for dev in ("gpu", "cpu"):
-            out = tmp_path / f"dl_{dev}.bin"
-            run([laguna_gpu, target, "-d", drafter, "--ids", " ".join(ids[:21]), "--draft-logits", str(out), "-q"]
-                + (["--cpu"] if dev == "cpu" else []))
-            got[dev] = np.fromfile(out, dtype=np.float32)
-        d = float(np.abs(got["gpu"] - got["cpu"]).max())
+        gpu, cpu = draft_logits(laguna_gpu, target, drafter, ids[:21], tmp_path)
+        d = float(np.abs(gpu - cpu).max())
         prompt = " ".join(ids[:20])
         plain = greedy(laguna_gpu, target, prompt, "-n", "40")
         r = run([laguna_gpu, target, "--ids", prompt, "-t", "0", "-n", "40", "-d", drafter])
@@ -1230,7 +1222,6 @@ def test_gpu_dflash_quantized_bf16_based(laguna_gpu, tmp_path, dtype):
         print(f"\n[gpu dflash] bf16-based {dtype} target, {dname} drafter: draft logits max |GPU - CPU| = {d:.3g} "
               f"(bar {TOL_BF16}); greedy with the drafter == without: {r.stdout.split() == plain} "
               f"({dflash_counts(r.stderr)[2]} accepted)")
-        assert got["gpu"].size == got["cpu"].size > 0
         worst, same = max(worst, d), same and r.stdout.split() == plain
     if worst > TOL_BF16 or not same:
         pytest.xfail("bf16 K/V and GEMM-input rounding (dev/gpu_notes.md)")
