@@ -3502,6 +3502,8 @@ struct GpuLayer {
     int nh, NQ, GD, dense, hid;  /* hid: F (dense) or S (shared) */
 };
 
+#define BLOCK_GRAPHS 24       /* cached graphs of n-token forwards and context adds (GpuModel.bg) */
+#define BLAS_WORKSPACE (32u << 20)   /* cuBLAS' workspace (its default size on Hopper) */
 struct GpuModel {
     Config c;
     int ctx, T, bf;          /* bf: weights and KV in bf16 (else f32); quantized files: what is not quantized */
@@ -3523,6 +3525,14 @@ struct GpuModel {
     int few;                 /* bf16 GEMMs and experts of 2..16 tokens on tensor cores (gemm_few; LAGUNA_NO_FEW=1: cuBLAS
                                 and the warp kernels, a test and timing hook) */
     int split_max;           /* LAGUNA_SPLIT_MAX: at most this many key splits for n-token attention (0: no cap) */
+    /* n-token forwards with ids back (gpu_forward_argmax: the drafter's block, the greedy verify) and the drafter's
+     * context add as CUDA graphs, by the key of what their launches take from the host (block_graph()); a slot with
+     * no exec yet is a key seen once, run as plain launches (LAGUNA_NO_BLOCK_GRAPH=1: always plain, a test hook) */
+    int block_graphs;
+    struct { long long key; cudaGraphExec_t exec; } bg[BLOCK_GRAPHS];
+    int bg_used, bg_next;
+    long bg_captured, bg_replayed;  /* counts, printed at gpu_free with LAGUNA_GRAPH_STATS=1 (for the tests) */
+    void *blas_ws;           /* cuBLAS' workspace, ours (so its calls can be captured) */
     double few_max;          /* gemm_few for matrices of at most this many elements, cuBLAS above (LAGUNA_FEW_MAX: a timing
                                 hook) */
     int few_q;               /* q8 / q4 matrices and experts of 2..16-token forwards (bf16-based files) by gemm_few and
@@ -3876,6 +3886,7 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
     g->few_q = getenv("LAGUNA_NO_FEW_Q") == NULL;
     g->few_max = getenv("LAGUNA_FEW_MAX") ? atof(getenv("LAGUNA_FEW_MAX")) : 4194304.0;   /* 8 MB of bf16 */
     g->split_max = getenv("LAGUNA_SPLIT_MAX") ? atoi(getenv("LAGUNA_SPLIT_MAX")) : 0;      /* a tuning hook */
+    g->block_graphs = !getenv("LAGUNA_NO_BLOCK_GRAPH");
     int D = c->head_dim, H = c->dim, KVD = c->kv_dim, T = max_tokens, E = c->n_experts, K = c->n_experts_active;
     /* formats: the matmul weights all quantized alike (q8 or q4) or none of them; the embedding (and with it a tied
      * lm_head) and lm_head may be quantized on their own (export.py: the embedding is q8 in q4 files too); the
@@ -3926,6 +3937,10 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
     CUDA_CHECK(cudaStreamCreateWithFlags(&g->stream, cudaStreamNonBlocking));
     CUBLAS_CHECK(cublasCreate(&g->blas));
     CUBLAS_CHECK(cublasSetStream(g->blas, g->stream));
+    /* a workspace of its default size, given rather than left to cuBLAS, so the GEMMs inside a stream capture
+     * allocate nothing (block_graph) */
+    if (cudaMalloc(&g->blas_ws, BLAS_WORKSPACE) != cudaSuccess) { cudaGetLastError(); GFAIL("out of GPU memory for cuBLAS' workspace"); }
+    CUBLAS_CHECK(cublasSetWorkspace(g->blas, g->blas_ws, BLAS_WORKSPACE));
 
     /* weights: size, allocate once, place */
     Uploader u = {g, m, NULL, 0, NULL, 0};
@@ -4090,6 +4105,48 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
 extern "C" const char *gpu_summary(GpuModel *g) { return g->summary; }
 
 static void prof_report(GpuModel *g);
+/* ---- n-token work as CUDA graphs ----
+ * The drafter's block forward, the greedy verify and the drafter's context add repeat the same launches from one
+ * DFlash step to the next: their token ids and position reach the kernels through device memory (copied in first),
+ * and what the launches take from the host fits in a key (forward_key, and the context add's rows). block_graph runs
+ * such work: a key's first time as plain launches (which also loads every kernel and warms cuBLAS' choices), its
+ * second time captured into a graph, then replayed; the newest BLOCK_GRAPHS keys are kept. A replay saves the host's
+ * launches and the gaps between the kernels (dev/gpu_notes.md, round 32). */
+static void block_graphs_clear(GpuModel *g) {
+    for (int i = 0; i < g->bg_used; i++)
+        if (g->bg[i].exec) cudaGraphExecDestroy(g->bg[i].exec);
+    g->bg_used = g->bg_next = 0;
+}
+template <typename F>
+static void block_graph(GpuModel *g, long long key, F enqueue) {
+    if (!g->block_graphs || g->prof_on) { enqueue(); return; }     /* (LAGUNA_PROF's events are plain launches) */
+    int i = 0;
+    while (i < g->bg_used && g->bg[i].key != key) i++;
+    if (i == g->bg_used) {                          /* a new key: remembered, run plain */
+        if (g->bg_used < BLOCK_GRAPHS) i = g->bg_used++;
+        else {
+            i = g->bg_next;
+            g->bg_next = (g->bg_next + 1) % BLOCK_GRAPHS;
+            if (g->bg[i].exec) CUDA_CHECK(cudaGraphExecDestroy(g->bg[i].exec));
+        }
+        g->bg[i].key = key;
+        g->bg[i].exec = NULL;
+        enqueue();
+        return;
+    }
+    if (!g->bg[i].exec) {                           /* the second time: captured */
+        cudaGraph_t graph;
+        CUDA_CHECK(cudaStreamBeginCapture(g->stream, cudaStreamCaptureModeThreadLocal));
+        enqueue();
+        CUDA_CHECK(cudaStreamEndCapture(g->stream, &graph));
+        CUDA_CHECK(cudaGraphInstantiate(&g->bg[i].exec, graph, 0));
+        CUDA_CHECK(cudaGraphDestroy(graph));
+        g->bg_captured++;
+    }
+    CUDA_CHECK(cudaGraphLaunch(g->bg[i].exec, g->stream));
+    g->bg_replayed++;
+}
+
 extern "C" void gpu_free(GpuModel *g) {
     if (!g) return;
     prof_report(g);
@@ -4097,12 +4154,15 @@ extern "C" void gpu_free(GpuModel *g) {
         if (g->graph[i]) cudaGraphExecDestroy(g->graph[i]);
         if (g->graph_long[i]) cudaGraphExecDestroy(g->graph_long[i]);
     }
+    if (getenv("LAGUNA_GRAPH_STATS"))
+        fprintf(stderr, "block graphs: %ld captured, %ld replays\n", g->bg_captured, g->bg_replayed);
+    block_graphs_clear(g);
     if (g->blas) cublasDestroy(g->blas);
     void *dev[] = {g->wbuf, g->kvbuf, g->x, g->xb, g->qkvg, g->att, g->mlp_h, g->mlp_act, g->act16, g->logits,
                    g->part_o, g->part_ml, g->tokens, g->pos, g->d_step, g->sample_s, g->counters, g->router_logits, g->topk_idx, g->topk_w,
                    g->pair_w, g->pair_tok, g->inv, g->start, g->active, g->n_active, g->h_pair, g->hs, g->y_pair,
                    g->ys, g->x_sorted, g->act_sorted, g->gptr, g->blk_cnt, g->tile_start, g->ids, g->amax_part, g->taps, g->cat,
-                   g->ctxv, g->wdq, g->act_few, g->xq, g->hq};
+                   g->ctxv, g->wdq, g->act_few, g->xq, g->hq, g->blas_ws};
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++) if (dev[i]) cudaFree(dev[i]);
     for (int i = 0; i < 2; i++) if (g->step_done[i]) cudaEventDestroy(g->step_done[i]);
     void *host[] = {g->h_tokens, g->h_logits, g->h_step, g->h_start, g->h_gptr, g->h_ids};
@@ -4763,8 +4823,8 @@ static void forward_any(GpuModel *g, int n, int pos, int all_logits) {
 }
 
 static void decode_drain(GpuModel *g);
-/* upload the tokens and the position, then enqueue the forward (the caller downloads what it needs and syncs) */
-static void enqueue_forward(GpuModel *g, const int *tokens, int n, int pos, int all_logits) {
+/* upload the tokens and the position of an n-token forward */
+static void upload_forward(GpuModel *g, const int *tokens, int n, int pos) {
     if (n < 1 || n > g->T || pos < 0 || pos + n > g->ctx) {
         fprintf(stderr, "laguna: error: gpu_forward of %d tokens at %d (chunk %d, context %d)\n", n, pos, g->T, g->ctx);
         exit(1);
@@ -4779,11 +4839,25 @@ static void enqueue_forward(GpuModel *g, const int *tokens, int n, int pos, int 
     g->prof_on = g->prof && n > 1 && n <= 64;
     g->prof_n = 0;
     prof_mark(g, "start");
-    forward_any(g, n, pos, all_logits);
+}
+
+/* What an n-token forward's launches take from the host: n, and the key splits of full layers (split_for), which
+ * follow the keys up to the last row in blocks of 64 up to 64 of them: the key of its graph (block_graph), or -1
+ * for forwards left to plain launches: one token (the decode step has its graph), more than 64 (prefill, where
+ * launches cost nothing that counts) and more than 512 MoE pairs (an f32 file's path for them syncs with the host). */
+static long long forward_key(const GpuModel *g, int n, int pos) {
+    if (n == 1 || n > 64 || (long long)n * g->c.n_experts_active > 512) return -1;
+    int full = 0;
+    for (int l = 0; l < g->c.n_layers; l++) full |= g->c.layer_type[l] != ATTN_SLIDING;
+    const int blocks = full ? min((pos + n + 63) / 64, 64) : 0;
+    return (long long)blocks << 20 | n;
 }
 
 extern "C" float *gpu_forward(GpuModel *g, const int *tokens, int n, int pos, int all_logits) {
-    enqueue_forward(g, tokens, n, pos, all_logits);
+    upload_forward(g, tokens, n, pos);
+    const long long key = forward_key(g, n, pos);
+    if (key < 0) forward_any(g, n, pos, all_logits);
+    else block_graph(g, key | (long long)all_logits << 16, [&] { forward_any(g, n, pos, all_logits); });
     size_t count = (size_t)(all_logits ? n : 1) * g->c.vocab_size;
     CUDA_CHECK(cudaMemcpyAsync(g->h_logits, g->logits, count * sizeof(float), cudaMemcpyDeviceToHost, g->stream));
     prof_mark(g, "logits copy");
@@ -4998,12 +5072,18 @@ static void capture_taps(GpuModel *g, int l, int n) {
 /* A forward over n tokens whose logits stay on the device: only each row's argmax comes back (the greedy verify,
  * and the drafter's block). */
 extern "C" void gpu_forward_argmax(GpuModel *g, const int *tokens, int n, int pos, int *out) {
-    enqueue_forward(g, tokens, n, pos, 1);
-    argmax_slices<<<dim3(ARGMAX_SLICES, n), 256, 0, g->stream>>>(g->logits, g->c.vocab_size, g->amax_part);
-    LAUNCH_CHECK();
-    argmax_merge<<<n, ARGMAX_SLICES, 0, g->stream>>>(g->amax_part, g->c.vocab_size, g->ids);
-    LAUNCH_CHECK();
-    prof_mark(g, "argmax");
+    upload_forward(g, tokens, n, pos);
+    auto forward_ids = [&] {
+        forward_any(g, n, pos, 1);
+        argmax_slices<<<dim3(ARGMAX_SLICES, n), 256, 0, g->stream>>>(g->logits, g->c.vocab_size, g->amax_part);
+        LAUNCH_CHECK();
+        argmax_merge<<<n, ARGMAX_SLICES, 0, g->stream>>>(g->amax_part, g->c.vocab_size, g->ids);
+        LAUNCH_CHECK();
+        prof_mark(g, "argmax");
+    };
+    const long long key = forward_key(g, n, pos);
+    if (key < 0) forward_ids();
+    else block_graph(g, key | 1ll << 17, forward_ids);
     CUDA_CHECK(cudaMemcpyAsync(g->h_ids, g->ids, n * sizeof(int), cudaMemcpyDeviceToHost, g->stream));
     CUDA_CHECK(cudaStreamSynchronize(g->stream));
     prof_collect(g);
@@ -5039,18 +5119,47 @@ extern "C" GpuModel *gpu_drafter_init(GpuModel *target, const Model *dm, int ctx
     g->cat = (float *)cat;
     g->ctxv = (float *)ctxv;
     if (target->taps) CUDA_CHECK(cudaFree(target->taps));
+    block_graphs_clear(target);                     /* its forwards now also capture taps */
     target->taps = (float *)taps;
     target->n_taps = c->n_taps;
     memcpy(target->tap_layers, c->tap_layers, NT * sizeof(int));
     return g;
 }
 
-/* Drafter context from rows row0..row0+n-1 of the target's last forward, at positions pos..pos+n-1 (laguna.c's
- * drafter_add_context): per-tap RMSNorm, fc, hidden_norm; then per layer input_layernorm -> K (k_norm, RoPE at
- * the absolute position), V, into the ring. In chunks of the drafter's T rows, like the CPU. */
-extern "C" void gpu_drafter_add_context(GpuModel *g, GpuModel *target, int row0, int n, int pos) {
+/* The drafter's context for k rows of the target's taps from row0 on, at the position in g->pos: per-tap RMSNorm,
+ * fc, hidden_norm; then per layer input_layernorm -> K (k_norm, RoPE at the absolute position), V, into the ring */
+static void context_rows(GpuModel *g, const GpuModel *target, int row0, int k) {
     const Config *c = &g->c;
     int H = c->dim, NT = c->n_taps, D = c->head_dim, nkv = c->n_kv_heads, KVD = c->kv_dim;
+    /* the fused context vector of each position */
+    rmsnorm_groups_kernel<<<k * NT, 256, 0, g->stream>>>(g->cat, target->taps + (size_t)row0 * NT * H, g->aux_norm, NT,
+                                                         H, c->norm_eps);
+    LAUNCH_CHECK();
+    gemm(g, g->ctxv, H, g->fc, H, NT * H, g->cat, k, 0.0f, g->fcdt);
+    rmsnorm_kernel<<<k, 256, 0, g->stream>>>(g->ctxv, g->ctxv, H, g->hidden_norm, H, c->norm_eps, NULL);
+    LAUNCH_CHECK();
+    for (int l = 0; l < c->n_layers; l++) {
+        GpuLayer *L = &g->L[l];
+        int type = c->layer_type[l], QD = L->nh * D;
+        /* the layer's input norm, then only the k and v rows of the stacked projection, into their columns of qkvg */
+        rmsnorm_kernel<<<k, 256, 0, g->stream>>>(g->xb, g->ctxv, H, L->attn_norm, H, c->norm_eps, NULL);
+        LAUNCH_CHECK();
+        gemm(g, g->qkvg + QD, L->NQ, L->wkv, 2 * KVD, H, g->xb, k, 0.0f, is_quant(g->wdt) ? g->wdt : -1);
+        /* k_norm, RoPE at the absolute positions and the ring append: the q/k-norm kernel with no query heads */
+        dim3 rg(k, (2 * nkv + 3) / 4);
+#define QKR(KV) qk_norm_rope_kernel<KV><<<rg, 128, 0, g->stream>>>(g->qkvg + QD, L->NQ, 0, nkv, D, L->q_norm, L->k_norm, \
+                g->inv_freq[type], c->rotary_dim[type], c->rope_scaling[type], (KV *)L->kc, (KV *)L->vc, L->rows, g->pos, \
+                c->norm_eps)
+        KV_SWITCH(g, QKR);   /* the drafter's ring: its weights' dtype */
+#undef QKR
+        LAUNCH_CHECK();
+    }
+}
+
+/* Drafter context from rows row0..row0+n-1 of the target's last forward, at positions pos..pos+n-1 (laguna.c's
+ * drafter_add_context), in chunks of the drafter's T rows, like the CPU; each chunk's launches as a graph by its
+ * row count and first row (block_graph) */
+extern "C" void gpu_drafter_add_context(GpuModel *g, GpuModel *target, int row0, int n, int pos) {
     if (row0 < 0 || n < 0 || row0 + n > target->T || pos < 0 || pos + n > g->ctx) {
         fprintf(stderr, "laguna: error: drafter context of %d rows from %d at %d (chunk %d, context %d)\n", n, row0, pos,
                 target->T, g->ctx);
@@ -5060,29 +5169,7 @@ extern "C" void gpu_drafter_add_context(GpuModel *g, GpuModel *target, int row0,
         int k = n - r0 < g->T ? n - r0 : g->T;
         g->h_step->pos = pos + r0;
         CUDA_CHECK(cudaMemcpyAsync(g->pos, &g->h_step->pos, sizeof(int), cudaMemcpyHostToDevice, g->stream));
-        /* the fused context vector of each position */
-        rmsnorm_groups_kernel<<<k * NT, 256, 0, g->stream>>>(g->cat, target->taps + (size_t)(row0 + r0) * NT * H,
-                                                             g->aux_norm, NT, H, c->norm_eps);
-        LAUNCH_CHECK();
-        gemm(g, g->ctxv, H, g->fc, H, NT * H, g->cat, k, 0.0f, g->fcdt);
-        rmsnorm_kernel<<<k, 256, 0, g->stream>>>(g->ctxv, g->ctxv, H, g->hidden_norm, H, c->norm_eps, NULL);
-        LAUNCH_CHECK();
-        for (int l = 0; l < c->n_layers; l++) {
-            GpuLayer *L = &g->L[l];
-            int type = c->layer_type[l], QD = L->nh * D;
-            /* the layer's input norm, then only the k and v rows of the stacked projection, into their columns of qkvg */
-            rmsnorm_kernel<<<k, 256, 0, g->stream>>>(g->xb, g->ctxv, H, L->attn_norm, H, c->norm_eps, NULL);
-            LAUNCH_CHECK();
-            gemm(g, g->qkvg + QD, L->NQ, L->wkv, 2 * KVD, H, g->xb, k, 0.0f, is_quant(g->wdt) ? g->wdt : -1);
-            /* k_norm, RoPE at the absolute positions and the ring append: the q/k-norm kernel with no query heads */
-            dim3 rg(k, (2 * nkv + 3) / 4);
-#define QKR(KV) qk_norm_rope_kernel<KV><<<rg, 128, 0, g->stream>>>(g->qkvg + QD, L->NQ, 0, nkv, D, L->q_norm, L->k_norm, \
-                g->inv_freq[type], c->rotary_dim[type], c->rope_scaling[type], (KV *)L->kc, (KV *)L->vc, L->rows, g->pos, \
-                c->norm_eps)
-            KV_SWITCH(g, QKR);   /* the drafter's ring: its weights' dtype */
-#undef QKR
-            LAUNCH_CHECK();
-        }
+        block_graph(g, 1ll << 40 | (long long)(row0 + r0) << 20 | k, [&] { context_rows(g, target, row0 + r0, k); });
         /* h_step->pos is rewritten for the next chunk, and the target's next forward rewrites the taps */
         CUDA_CHECK(cudaStreamSynchronize(g->stream));
     }

@@ -998,6 +998,48 @@ def test_gpu_dflash_bf16_files(laguna_gpu, exported, tmp_path):
         pytest.xfail("bf16 K/V and GEMM-input rounding (dev/gpu_notes.md)")
 
 
+def graph_counts(stderr):
+    """(captured, replays) summed over the "block graphs:" lines (LAGUNA_GRAPH_STATS=1: target and drafter)."""
+    lines = [l.split(":")[1].split(",") for l in stderr.splitlines() if l.startswith("block graphs:")]
+    return sum(int(a.split()[0]) for a, _ in lines), sum(int(b.split()[0]) for _, b in lines)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_gpu_dflash_block_graphs_equal_plain_launches(laguna_gpu, exported, dtype):
+    """The drafter's block forward, the greedy verify and the context add as CUDA graphs (block_graph) give the same
+    tokens and the same acceptance, step for step, as plain launches (LAGUNA_NO_BLOCK_GRAPH=1): a replay runs the
+    launches it captured, so even bf16 files agree bit for bit. xs2's drafter is all sliding (one key); v16's target
+    and drafter have full layers (a key per 64 positions), and the prompt lengths put the steps across such blocks."""
+    extra = ["--dtype", "bf16"] if dtype == "bf16" else []
+    replays = 0
+    for pair, plens in (("xs2", (9, 30)), ("v16", (5, 18))):
+        tgt, drf = DRAFT_PAIRS[pair]
+        target, drafter = exported(tgt, *extra), exported(drf, *extra)
+        score = score_ids(tgt)
+        for plen in plens:
+            args = [laguna_gpu, target, "--ids", " ".join(score[:plen]), "-t", "0", "-n", "120", "-d", drafter]
+            env = dict(os.environ, LAGUNA_GRAPH_STATS="1")
+            graph = run(args, env=env)
+            plain = run(args, env=dict(env, LAGUNA_NO_BLOCK_GRAPH="1"))
+            assert graph.stdout == plain.stdout, (pair, plen)
+            assert dflash_counts(graph.stderr) == dflash_counts(plain.stderr), (pair, plen)
+            captured, n = graph_counts(graph.stderr)
+            assert captured > 0 and n > captured, (pair, plen, captured, n)   # graphs were made and replayed
+            assert graph_counts(plain.stderr) == (0, 0)
+            replays += n
+        # sampled (the verify and the drafts with their logits rows back: gpu_forward) and a prefill in chunks of 8
+        prompt = " ".join(score[:18])
+        for args in ([laguna_gpu, target, "--ids", prompt, "-t", "0.8", "-s", "3", "-n", "60", "-d", drafter],
+                     [laguna_gpu, target, "--ids", prompt, "-t", "0", "-n", "8", "--chunk", "4"]):
+            env = dict(os.environ, LAGUNA_GRAPH_STATS="1")
+            graph, plain = run(args, env=env), run(args, env=dict(env, LAGUNA_NO_BLOCK_GRAPH="1"))
+            assert graph.stdout == plain.stdout, (pair, args)
+            captured, n = graph_counts(graph.stderr)
+            assert captured > 0 and n > captured, (pair, args, captured, n)
+            replays += n
+    print(f"\n[gpu dflash] {dtype}: block graphs == plain launches (tokens and acceptance), {replays} replays")
+
+
 @pytest.mark.skipif(not os.path.exists(TINY), reason="models/tiny.bin is not in this checkout")
 def test_gpu_dflash_tiny_model(laguna_gpu):
     """The shipped tiny model and its trained drafter (bf16): on the GPU the acceptance is real (tau like the CPU's,
