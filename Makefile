@@ -92,6 +92,8 @@ dev/latency_lab: dev/latency_lab.cu laguna.cu laguna.h
 # the tensor-core kernels for 2..16 tokens (verification) against a CPU reference, cuBLAS and the warp kernels
 dev/few_lab: dev/few_lab.cu laguna.cu laguna.h
 	$(NVCC) $(NVCCFLAGS) dev/few_lab.cu -o $@ -lcublas
+dev/skinny_lab: dev/skinny_lab.cu laguna.cu laguna.h
+	$(NVCC) $(NVCCFLAGS) dev/skinny_lab.cu -o $@ -lcublas
 
 # the device sampler's kernels against the CPU's top-p rule and distribution, V 16 .. 100,352 (dev/gpu_notes.md)
 dev/sample_lab: dev/sample_lab.cu laguna.cu laguna.h
@@ -106,7 +108,7 @@ bench: dev/bench_gpu dev/matvec_lab dev/bench_dflash
 
 .PHONY: clean test cuda cuda-compile test-gpu test-gpu-1 test-gpu-2 bench
 clean:
-	rm -f laguna laguna-debug laguna-cuda dev/bench_gpu dev/bench_gpu_trace dev/bench_dflash dev/matvec_lab dev/moe_gemm_lab dev/chain_lab dev/bulk_lab dev/few_lab dev/sample_lab dev/expert_lab dev/latency_lab *.o
+	rm -f laguna laguna-debug laguna-cuda dev/bench_gpu dev/bench_gpu_trace dev/bench_dflash dev/matvec_lab dev/moe_gemm_lab dev/chain_lab dev/bulk_lab dev/few_lab dev/skinny_lab dev/sample_lab dev/expert_lab dev/latency_lab *.o
 
 # tokenizer speed: encode a file, tokens/s on one core (make bench_tokenizer && ./bench_tokenizer MODEL.bin FILE)
 bench_tokenizer: dev/bench_tokenizer.c tokenizer.c tokenizer.h tokenizer_unicode.h
