@@ -123,15 +123,15 @@ __global__ void __launch_bounds__(256, DL2 ? 2 : 1) moe_fused(WPtr egu, WPtr edn
                 for (int o = tid * 128; o < J * row_scales<W>(I); o += 256 * 128)
                     asm volatile("prefetch.global.L2 [%0];" ::"l"(s + o));
             }
-            return;
+        } else {
+            for (int o = tid * 16; o < J * row_vals<W>(I); o += 256 * 16) cp_async16(dsm + o, v + o, true);
+            if constexpr (is_q<W>) {
+                const char *s = (const char *)wrow<W>(dn, dn0, I).s;
+                for (int o = tid * 16; o < J * row_scales<W>(I); o += 256 * 16)
+                    cp_async16(dsm + J * row_vals<W>(I) + o, s + o, true);
+            }
+            asm volatile("cp.async.commit_group;" ::: "memory");
         }
-        for (int o = tid * 16; o < J * row_vals<W>(I); o += 256 * 16) cp_async16(dsm + o, v + o, true);
-        if constexpr (is_q<W>) {
-            const char *s = (const char *)wrow<W>(dn, dn0, I).s;
-            for (int o = tid * 16; o < J * row_scales<W>(I); o += 256 * 16)
-                cp_async16(dsm + J * row_vals<W>(I) + o, s + o, true);
-        }
-        asm volatile("cp.async.commit_group;" ::: "memory");
     };
     /* bf16: the shared expert's down rows of this block, before the wait (they don't depend on the router): warp w
      * rows s_row0 + 2 w + i (i < 2), lane's chunks lane and lane + 32 */
