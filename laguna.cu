@@ -3525,9 +3525,9 @@ struct GpuModel {
     int few;                 /* bf16 GEMMs and experts of 2..16 tokens on tensor cores (gemm_few; LAGUNA_NO_FEW=1: cuBLAS
                                 and the warp kernels, a test and timing hook) */
     int split_max;           /* LAGUNA_SPLIT_MAX: at most this many key splits for n-token attention (0: no cap) */
-    /* n-token forwards with ids back (gpu_forward_argmax: the drafter's block, the greedy verify) and the drafter's
-     * context add as CUDA graphs, by the key of what their launches take from the host (block_graph()); a slot with
-     * no exec yet is a key seen once, run as plain launches (LAGUNA_NO_BLOCK_GRAPH=1: always plain, a test hook) */
+    /* forwards of 2..64 tokens (the drafter's block, the verify; ids or logits back) and the drafter's context add as
+     * CUDA graphs, by the key of what their launches take from the host (block_graph()); a slot with no exec yet is a
+     * key seen once, run as plain launches (LAGUNA_NO_BLOCK_GRAPH=1: always plain, a test hook) */
     int block_graphs;
     struct { long long key; cudaGraphExec_t exec; } bg[BLOCK_GRAPHS];
     int bg_used, bg_next;
