@@ -90,9 +90,9 @@ dev/latency_lab: dev/latency_lab.cu laguna.cu laguna.h
 	$(NVCC) $(NVCCFLAGS) dev/latency_lab.cu -o $@ -lcublas
 
 # the tensor-core kernels for 2..16 tokens (verification) against a CPU reference, cuBLAS and the warp kernels
-dev/few_lab: dev/few_lab.cu laguna.cu laguna.h
+dev/few_lab: dev/few_lab.cu dev/lab_graph.h laguna.cu laguna.h
 	$(NVCC) $(NVCCFLAGS) dev/few_lab.cu -o $@ -lcublas
-dev/skinny_lab: dev/skinny_lab.cu laguna.cu laguna.h
+dev/skinny_lab: dev/skinny_lab.cu dev/lab_graph.h laguna.cu laguna.h
 	$(NVCC) $(NVCCFLAGS) dev/skinny_lab.cu -o $@ -lcublas
 
 # the device sampler's kernels against the CPU's top-p rule and distribution, V 16 .. 100,352 (dev/gpu_notes.md)

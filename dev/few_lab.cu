@@ -9,6 +9,7 @@
  * of 32, fewer than 8 tokens). Matrices smaller than 256 MB are timed over rotating copies so L2 does not serve
  * them. GB/s = weight bytes / time. Exit code 1 if a check fails. */
 #include "../laguna.cu"
+#include "lab_graph.h"
 
 #include <algorithm>
 #include <vector>
@@ -28,19 +29,6 @@ template <typename T> static T *up(const std::vector<T> &v) {
     CUDA_CHECK(cudaMalloc(&d, v.size() * sizeof(T)));
     CUDA_CHECK(cudaMemcpy(d, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
     return d;
-}
-template <typename F> static float time_ms(F f, int reps) {   /* mean of reps after one warm-up */
-    cudaEvent_t a, b;
-    CUDA_CHECK(cudaEventCreate(&a));
-    CUDA_CHECK(cudaEventCreate(&b));
-    f(0);
-    CUDA_CHECK(cudaEventRecord(a));
-    for (int i = 0; i < reps; i++) f(i + 1);
-    CUDA_CHECK(cudaEventRecord(b));
-    CUDA_CHECK(cudaEventSynchronize(b));
-    float ms;
-    CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
-    return ms / reps;
 }
 static void check(const char *what, double err, double bar) {
     if (!(err <= bar)) fails++;
