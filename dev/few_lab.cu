@@ -246,11 +246,7 @@ static void moe_case(int E, int K, int H, int I, int S, int n, int timed) {
 int main() {
     cudaDeviceProp prop;
     CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-    GpuModel g = {};
-    g.nsm = prop.multiProcessorCount;
-    g.few = g.bf = 1;
-    g.cc_major = prop.major;
-    g.dup = -1;
+    GpuModel g = lab_few_model(prop);
     cublasHandle_t blas;
     CUBLAS_CHECK(cublasCreate(&blas));
     printf("%s, %d SMs\ngemm_few (y = W x, bf16 W), the verification's shapes, 16 tokens:\n", prop.name, g.nsm);

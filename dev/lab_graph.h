@@ -3,8 +3,19 @@
  * graph_us(graph, st, n, r): the graph (n launches) instantiated, replayed once to warm up, then r times between two
  * events; returns microseconds per launch and destroys the graph.
  * time_ms(f, reps): f(0) as a warm-up, then f(1) .. f(reps) between two events on the default stream; milliseconds per
- * call (f's argument picks a rotating copy of the weights, so L2 does not serve them). Include after laguna.cu. */
+ * call (f's argument picks a rotating copy of the weights, so L2 does not serve them).
+ * lab_few_model(prop): the GpuModel fields that gemm() / gemm_few_launch read, for a lab that calls them outside a
+ * model (few_lab, skinny_lab): bf16 activations, the few-token kernels on. Include after laguna.cu. */
 #pragma once
+
+static inline GpuModel lab_few_model(const cudaDeviceProp &prop) {
+    GpuModel g = {};
+    g.nsm = prop.multiProcessorCount;
+    g.few = g.bf = 1;
+    g.cc_major = prop.major;
+    g.dup = -1;
+    return g;
+}
 
 static inline double graph_us(cudaGraph_t graph, cudaStream_t st, int n, int r) {
     cudaGraphExec_t exec;

@@ -143,11 +143,7 @@ static void variant(const Shape &sh, int n, const bf16 *dw, size_t mb, int copie
 int main() {
     cudaDeviceProp prop;
     CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-    GpuModel g = {};
-    g.nsm = prop.multiProcessorCount;
-    g.few = g.bf = 1;
-    g.cc_major = prop.major;
-    g.dup = -1;
+    GpuModel g = lab_few_model(prop);
     cublasHandle_t blas;
     CUBLAS_CHECK(cublasCreate(&blas));
 #define ALLOW1(S, KS, XR) CUDA_CHECK(cudaFuncSetAttribute(skinny<S, KS, XR>, cudaFuncAttributeMaxDynamicSharedMemorySize, \
