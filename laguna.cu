@@ -2727,8 +2727,9 @@ __global__ void __launch_bounds__(256) gemm_few(float *y, int ldy, WPtr w, int o
  * their gate rows (g) and up rows (g + 8), so lane (g, t) ends with gate and up of unit j0 + g for its tokens and
  * applies the SwiGLU itself. A block: 64 units of one expert. An expert has at most n <= 16 pairs (a token picks an
  * expert once). */
-template <typename W>
-__global__ void __launch_bounds__(256) moe_gate_up_few(WPtr experts_gu, int I, WPtr always_gu, int S, int H,
+template <typename W, int MINB, int U, int U2>   /* MINB: blocks an SM the registers must allow; U / U2: chunks in
+                                                    flight for experts of <= 8 / > 8 tokens (see few_moe_pick) */
+__global__ void __launch_bounds__(256, MINB) moe_gate_up_few(WPtr experts_gu, int I, WPtr always_gu, int S, int H,
                                                       const bf16 *x, int n, const int *start, const int *pair_tok,
                                                       const int *active, const int *n_active, int max_active,
                                                       bf16 *act, bf16 *act_s) {
@@ -2762,8 +2763,8 @@ __global__ void __launch_bounds__(256) moe_gate_up_few(WPtr experts_gu, int I, W
     const bf16 *x0 = x + (size_t)(toks ? toks[s0] : s0) * H, *x1 = x + (size_t)(toks ? toks[s1] : s1) * H;
     float acc[2][4] = {};
     const WPtr wg = wrow<W>(base, row0 + j, H), wu = wrow<W>(base, row0 + hid + j, H);
-    if (cnt > 8) few_rows<W, bf16, 2, 4>(acc, wg, wu, x0, x1, H, 0, 1, lane);
-    else few_rows<W, bf16, 1, 4>(acc, wg, wu, x0, x1, H, 0, 1, lane);
+    if (cnt > 8) few_rows<W, bf16, 2, U2>(acc, wg, wu, x0, x1, H, 0, 1, lane);
+    else few_rows<W, bf16, 1, U>(acc, wg, wu, x0, x1, H, 0, 1, lane);
     if (j0 + g >= hid) return;
 #pragma unroll
     for (int h = 0; h < 2; h++)
@@ -2776,8 +2777,8 @@ __global__ void __launch_bounds__(256) moe_gate_up_few(WPtr experts_gu, int I, W
 
 /* the experts' down projections for a few tokens (W as in moe_gate_up_few): y_pair[first + i] = down_e . act[first +
  * i] for each pair, ys[t] = always_down . act_s[t]. A warp owns 16 rows of H, a block 128 rows of one expert. */
-template <typename W>
-__global__ void __launch_bounds__(256) moe_down_few(WPtr experts_down, int I, WPtr always_down, int S, int H, int n,
+template <typename W, int MINB, int U, int U2>   /* as moe_gate_up_few's */
+__global__ void __launch_bounds__(256, MINB) moe_down_few(WPtr experts_down, int I, WPtr always_down, int S, int H, int n,
                                                    const int *start, const int *active, const int *n_active,
                                                    int max_active, const bf16 *act, const bf16 *act_s, float *y_pair,
                                                    float *ys) {
@@ -2810,8 +2811,8 @@ __global__ void __launch_bounds__(256) moe_down_few(WPtr experts_down, int I, WP
     const int s0 = min(g, cnt - 1), s1 = min(g + 8, cnt - 1);
     const WPtr w0 = wrow<W>(base, row0 + min(r0 + g, H - 1), hid), w1 = wrow<W>(base, row0 + min(r0 + g + 8, H - 1), hid);
     float acc[2][4] = {};
-    if (cnt > 8) few_rows<W, bf16, 2, 4>(acc, w0, w1, xin + (size_t)s0 * hid, xin + (size_t)s1 * hid, hid, 0, 1, lane);
-    else few_rows<W, bf16, 1, 4>(acc, w0, w1, xin + (size_t)s0 * hid, xin, hid, 0, 1, lane);
+    if (cnt > 8) few_rows<W, bf16, 2, U2>(acc, w0, w1, xin + (size_t)s0 * hid, xin + (size_t)s1 * hid, hid, 0, 1, lane);
+    else few_rows<W, bf16, 1, U>(acc, w0, w1, xin + (size_t)s0 * hid, xin, hid, 0, 1, lane);
 #pragma unroll
     for (int h = 0; h < 2; h++)
 #pragma unroll
@@ -4589,6 +4590,20 @@ static void moe_shared_many(GpuModel *g, GpuLayer *L, int n) {
     gemm(g, g->ys, H, L->down, H, S, g->mlp_act, n, 0.0f, g->wdt);
 }
 
+/* The few-token expert kernels' template arguments (MINB, U, U2) for n tokens of format W, passed to launch as IntC
+ * values: chosen by dev/few_lab's sweep (H200, XS-2.1 experts, 2026-12-03; us for gate/up + down, the outputs
+ * bit-equal in every variant since the sums' order does not depend on them):
+ *   bf16, 16 tokens: MINB 1 U 4 (110 registers, 2 blocks an SM) 206.8, MINB 2 U 8/4 203.3, MINB 3 U 4/2 210.7
+ *   bf16, 5 tokens: 93.3, 92.2, 80.6 (MINB 1 leaves 1.2 waves of blocks: a tail); 2 tokens: 42.6, 41.3, 42.4
+ *   q8 / q4, 16 tokens: MINB 1 U 4 190.3 / 202.6, MINB 4 U 2 163.6 / 169.6 (dequantizing wants more warps)
+ * The bytes are read once in every variant; what differs is how many an SM has in flight and the last wave's share. */
+template <int V> struct IntC { static constexpr int value = V; };
+template <typename W, typename F> static void few_moe_pick(int n, F launch) {
+    if constexpr (is_q<W>) launch(IntC<4>(), IntC<2>(), IntC<2>());
+    else if (n > 8) launch(IntC<2>(), IntC<8>(), IntC<4>());
+    else launch(IntC<3>(), IntC<4>(), IntC<2>());
+}
+
 /* the MoE of n > 1 tokens, grouped by expert (W: the experts' format; P: bf16 or f32, the router's and the GEMMs') */
 template <typename W, typename P_>
 static void moe_many(GpuModel *g, int l, int n) {
@@ -4626,15 +4641,20 @@ static void moe_many(GpuModel *g, int l, int n) {
         /* a few tokens of a bf16-based file (verification): the active experts' rows read once (q8 / q4 dequantized
          * in registers), the tokens on tensor cores */
         bf16 *act_s = g->act_few + (size_t)n * K * I;
-        moe_gate_up_few<W><<<max_active * ((I + 63) / 64) + (S + 63) / 64, 256, 0, g->stream>>>(
-            wmat(DT, L->experts_gate_up, (size_t)E * 2 * I, H), I, wmat(DT, L->gate_up, 2 * (size_t)S, H), S, H,
-            (const bf16 *)g->act16, n, g->start, g->pair_tok, g->active, g->n_active, max_active, g->act_few, act_s);
-        LAUNCH_CHECK();
-        prof_mark(g, "experts gate/up");
-        moe_down_few<W><<<(max_active + 1) * ((H + 127) / 128), 256, 0, g->stream>>>(
-            wmat(DT, L->experts_down, (size_t)E * H, I), I, wmat(DT, L->down, H, S), S, H, n, g->start, g->active,
-            g->n_active, max_active, g->act_few, act_s, g->y_pair, g->ys);
-        LAUNCH_CHECK();
+        const WPtr wgu = wmat(DT, L->experts_gate_up, (size_t)E * 2 * I, H), wsgu = wmat(DT, L->gate_up, 2 * (size_t)S, H),
+                   wdn = wmat(DT, L->experts_down, (size_t)E * H, I), wsdn = wmat(DT, L->down, H, S);
+        few_moe_pick<W>(n, [&](auto mb, auto u, auto u2) {
+            constexpr int MB = decltype(mb)::value, U = decltype(u)::value, U2 = decltype(u2)::value;
+            moe_gate_up_few<W, MB, U, U2><<<max_active * ((I + 63) / 64) + (S + 63) / 64, 256, 0, g->stream>>>(
+                wgu, I, wsgu, S, H, (const bf16 *)g->act16, n, g->start, g->pair_tok, g->active, g->n_active,
+                max_active, g->act_few, act_s);
+            LAUNCH_CHECK();
+            prof_mark(g, "experts gate/up");
+            moe_down_few<W, MB, U, U2><<<(max_active + 1) * ((H + 127) / 128), 256, 0, g->stream>>>(
+                wdn, I, wsdn, S, H, n, g->start, g->active, g->n_active, max_active, g->act_few, act_s, g->y_pair,
+                g->ys);
+            LAUNCH_CHECK();
+        });
         prof_mark(g, "experts down");
     } else if (P <= 512) {
         /* a few tokens (verification): one launch over the active experts' rows, each read once */

@@ -7,7 +7,8 @@
  * XS-2.1 verification's (q/k/v/g 10304 x 2048, o_proj 2048 x 8192, the router 256 x 2048, lm_head 100352 x 2048; 16
  * tokens top-8 of 256 experts, I 512, shared 512) and odd small ones (rows not a multiple of 16, K not a multiple
  * of 32, fewer than 8 tokens). Matrices smaller than 256 MB are timed over rotating copies so L2 does not serve
- * them. GB/s = weight bytes / time. Exit code 1 if a check fails. */
+ * them. GB/s = weight bytes / time. Exit code 1 if a check fails. `./dev/few_lab experts` runs the MoE cases alone; their
+ * timed cases also sweep the expert kernels' MINB (blocks an SM their registers allow) and U (chunks in flight). */
 #include "../laguna.cu"
 #include "lab_graph.h"
 
@@ -172,11 +173,14 @@ static void moe_case(int E, int K, int H, int I, int S, int n, int timed) {
     CUDA_CHECK(cudaMalloc(&d_hp, (size_t)P * I * 4));
     CUDA_CHECK(cudaMalloc(&d_hs, (size_t)n * S * 4));
     bf16 *d_acts = d_act + (size_t)P * I;
-    auto run_few = [&]() {
-        moe_gate_up_few<W><<<max_active * ((I + 63) / 64) + (S + 63) / 64, 256>>>(w_egu, I, w_sgu, S, H, d_x, n, d_start,
-            d_tok, d_active, d_na, max_active, d_act, d_acts);
-        moe_down_few<W><<<(max_active + 1) * ((H + 127) / 128), 256>>>(w_edn, I, w_sdn, S, H, n, d_start, d_active, d_na,
-            max_active, d_act, d_acts, d_yp, d_ys);
+    auto run_few = [&]() {                                   /* the variant the model launches (few_moe_pick) */
+        few_moe_pick<W>(n, [&](auto mb, auto u, auto u2) {
+            constexpr int MB = decltype(mb)::value, U = decltype(u)::value, U2 = decltype(u2)::value;
+            moe_gate_up_few<W, MB, U, U2><<<max_active * ((I + 63) / 64) + (S + 63) / 64, 256>>>(w_egu, I, w_sgu, S, H,
+                d_x, n, d_start, d_tok, d_active, d_na, max_active, d_act, d_acts);
+            moe_down_few<W, MB, U, U2><<<(max_active + 1) * ((H + 127) / 128), 256>>>(w_edn, I, w_sdn, S, H, n, d_start,
+                d_active, d_na, max_active, d_act, d_acts, d_yp, d_ys);
+        });
     };
     run_few();
     CUDA_CHECK(cudaDeviceSynchronize());
@@ -238,46 +242,82 @@ static void moe_case(int E, int K, int H, int I, int S, int n, int timed) {
         }, 30);
         printf("    few %7.2f us (%6.0f GB/s)   warp kernels %7.2f us (%6.0f GB/s), %.1f MB\n", 1e3 * t_few,
                bytes / (1e6 * t_few), 1e3 * t_warp, bytes / (1e6 * t_warp), bytes / 1e6);
+        /* the few kernels' occupancy (MINB blocks an SM the registers allow) and chunks in flight (U): each kernel
+         * alone, its outputs bit-equal to the default's (the sums' order does not depend on either) */
+        const double b_gu = (double)mgu.bytes.size() * na / E + msgu.bytes.size(),
+                     b_dn = (double)mdn.bytes.size() * na / E + msdn.bytes.size();
+        std::vector<bf16> act_v(act.size());
+        std::vector<float> yp_v(yp.size());
+#define FEW_VARIANT(MB, UU, U2)                                                                                          \
+        {                                                                                                              \
+            auto gu_v = [&](int) {                                                                                     \
+                moe_gate_up_few<W, MB, UU, U2><<<max_active * ((I + 63) / 64) + (S + 63) / 64, 256>>>(w_egu, I, w_sgu, S,   \
+                    H, d_x, n, d_start, d_tok, d_active, d_na, max_active, d_act, d_acts);                              \
+            };                                                                                                         \
+            auto dn_v = [&](int) {                                                                                     \
+                moe_down_few<W, MB, UU, U2><<<(max_active + 1) * ((H + 127) / 128), 256>>>(w_edn, I, w_sdn, S, H, n,        \
+                    d_start, d_active, d_na, max_active, d_act, d_acts, d_yp, d_ys);                                   \
+            };                                                                                                         \
+            const float tg = time_ms(gu_v, 30), td = time_ms(dn_v, 30);                                                 \
+            CUDA_CHECK(cudaMemcpy(act_v.data(), d_act, act_v.size() * 2, cudaMemcpyDeviceToHost));                     \
+            CUDA_CHECK(cudaMemcpy(yp_v.data(), d_yp, yp_v.size() * 4, cudaMemcpyDeviceToHost));                        \
+            const int same = !memcmp(act_v.data(), act.data(), act.size() * 2) &&                                     \
+                             !memcmp(yp_v.data(), yp.data(), yp.size() * 4);                                           \
+            if (!same) fails++;                                                                                        \
+            printf("    MINB %d U %d/%d: gate/up %7.2f us (%5.0f GB/s), down %6.2f us (%5.0f GB/s), sum %7.2f%s\n", MB, UU, U2, \
+                   1e3 * tg, b_gu / (1e6 * tg), 1e3 * td, b_dn / (1e6 * td), 1e3 * (tg + td),                         \
+                   same ? "" : "  OUTPUTS DIFFER");                                                                    \
+        }
+        FEW_VARIANT(1, 4, 4) FEW_VARIANT(2, 8, 4) FEW_VARIANT(2, 6, 6) FEW_VARIANT(3, 4, 2) FEW_VARIANT(3, 2, 2)
+        FEW_VARIANT(4, 2, 2) FEW_VARIANT(4, 3, 2)
+#undef FEW_VARIANT
     }
     void *fr[] = {d_egu, d_edn, d_sgu, d_sdn, d_x, d_xf, d_start, d_active, d_tok, d_na, d_act, d_yp, d_ys, d_hp, d_hs};
     for (void *p : fr) CUDA_CHECK(cudaFree(p));
 }
 
-int main() {
+int main(int argc, char **argv) {
+    const int experts_only = argc > 1 && !strcmp(argv[1], "experts");   /* ./dev/few_lab experts: the MoE cases */
     cudaDeviceProp prop;
     CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
     GpuModel g = lab_few_model(prop);
     cublasHandle_t blas;
     CUBLAS_CHECK(cublasCreate(&blas));
-    printf("%s, %d SMs\ngemm_few (y = W x, bf16 W), the verification's shapes, 16 tokens:\n", prop.name, g.nsm);
-    gemm_case<bf16>(&g, blas, 10304, 2048, 16, 0, 0.0f, 1);     /* q/k/v/g of a sliding layer */
-    gemm_case<bf16>(&g, blas, 2048, 8192, 16, 1, 1.0f, 1);      /* o_proj into the residual, f32 input */
-    gemm_case<bf16>(&g, blas, 256, 2048, 16, 0, 0.0f, 1);       /* the router */
-    gemm_case<bf16>(&g, blas, 100352, 2048, 16, 0, 0.0f, 1);    /* lm_head, every row */
-    printf("odd shapes:\n");
-    int shapes[][3] = {{37, 72, 2}, {40, 40, 5}, {16, 8, 8}, {100, 264, 9}, {1000, 200, 16}, {24, 2056, 13}, {7, 96, 3}};
-    for (auto &s : shapes) {
-        gemm_case<bf16>(&g, blas, s[0], s[1], s[2], 0, 0.0f, 0);
-        gemm_case<bf16>(&g, blas, s[0], s[1], s[2], 1, 1.0f, 0);
+    printf("%s, %d SMs\n", prop.name, g.nsm);
+    if (!experts_only) {
+        printf("gemm_few (y = W x, bf16 W), the verification's shapes, 16 tokens:\n");
+        gemm_case<bf16>(&g, blas, 10304, 2048, 16, 0, 0.0f, 1);     /* q/k/v/g of a sliding layer */
+        gemm_case<bf16>(&g, blas, 2048, 8192, 16, 1, 1.0f, 1);      /* o_proj into the residual, f32 input */
+        gemm_case<bf16>(&g, blas, 256, 2048, 16, 0, 0.0f, 1);       /* the router */
+        gemm_case<bf16>(&g, blas, 100352, 2048, 16, 0, 0.0f, 1);    /* lm_head, every row */
+        printf("odd shapes:\n");
+        int shapes[][3] = {{37, 72, 2}, {40, 40, 5}, {16, 8, 8}, {100, 264, 9}, {1000, 200, 16}, {24, 2056, 13}, {7, 96, 3}};
+        for (auto &s : shapes) {
+            gemm_case<bf16>(&g, blas, s[0], s[1], s[2], 0, 0.0f, 0);
+            gemm_case<bf16>(&g, blas, s[0], s[1], s[2], 1, 1.0f, 0);
+        }
+        printf("gemm_few on q8 / q4 matrices (dequantized in registers), 16 tokens:\n");
+        gemm_case<Q8>(&g, blas, 10304, 2048, 16, 0, 0.0f, 1);
+        gemm_case<Q8>(&g, blas, 2048, 8192, 16, 1, 1.0f, 1);
+        gemm_case<Q8>(&g, blas, 100352, 2048, 16, 0, 0.0f, 1);
+        for (auto &s : shapes) gemm_case<Q8>(&g, blas, s[0], s[1], s[2], s[2] & 1, s[2] & 1 ? 1.0f : 0.0f, 0);
+        gemm_case<Q4>(&g, blas, 10304, 2048, 16, 0, 0.0f, 1);
+        gemm_case<Q4>(&g, blas, 2048, 8192, 16, 1, 1.0f, 1);
+        gemm_case<Q4>(&g, blas, 100352, 2048, 16, 0, 0.0f, 1);
+        for (auto &s : shapes) gemm_case<Q4>(&g, blas, s[0], s[1], s[2], s[2] & 1, s[2] & 1 ? 1.0f : 0.0f, 0);
     }
-    printf("gemm_few on q8 / q4 matrices (dequantized in registers), 16 tokens:\n");
-    gemm_case<Q8>(&g, blas, 10304, 2048, 16, 0, 0.0f, 1);
-    gemm_case<Q8>(&g, blas, 2048, 8192, 16, 1, 1.0f, 1);
-    gemm_case<Q8>(&g, blas, 100352, 2048, 16, 0, 0.0f, 1);
-    for (auto &s : shapes) gemm_case<Q8>(&g, blas, s[0], s[1], s[2], s[2] & 1, s[2] & 1 ? 1.0f : 0.0f, 0);
-    gemm_case<Q4>(&g, blas, 10304, 2048, 16, 0, 0.0f, 1);
-    gemm_case<Q4>(&g, blas, 2048, 8192, 16, 1, 1.0f, 1);
-    gemm_case<Q4>(&g, blas, 100352, 2048, 16, 0, 0.0f, 1);
-    for (auto &s : shapes) gemm_case<Q4>(&g, blas, s[0], s[1], s[2], s[2] & 1, s[2] & 1 ? 1.0f : 0.0f, 0);
     printf("experts:\n");
     moe_case<bf16>(256, 8, 2048, 512, 512, 16, 1);
     moe_case<bf16>(256, 8, 2048, 512, 512, 5, 1);
+    moe_case<bf16>(256, 8, 2048, 512, 512, 2, 1);
     moe_case<bf16>(16, 4, 64, 40, 24, 9, 0);
     moe_case<bf16>(8, 2, 72, 24, 0, 16, 0);               /* no shared expert */
     moe_case<bf16>(32, 8, 136, 72, 40, 3, 0);
     printf("experts, q8 / q4 (dequantized in registers):\n");
     moe_case<Q8>(256, 8, 2048, 512, 512, 16, 1);
     moe_case<Q4>(256, 8, 2048, 512, 512, 16, 1);
+    moe_case<Q8>(256, 8, 2048, 512, 512, 5, 1);
+    moe_case<Q8>(256, 8, 2048, 512, 512, 2, 1);
     moe_case<Q8>(16, 4, 64, 40, 24, 9, 0);                /* I 40, S 24: rows shorter than a group of 32 */
     moe_case<Q4>(16, 4, 72, 40, 24, 9, 0);
     moe_case<Q8>(8, 2, 72, 24, 0, 16, 0);

@@ -588,7 +588,8 @@ def test_gpu_mid_size_random_model(laguna_gpu, mid_model, tmp_path):
 def test_gpu_few_token_kernels_lab():
     """dev/few_lab: gemm_few (bf16 and f32 inputs, 1 to 8 warps a tile, 2..16 tokens, rows not a multiple of 16, K
     not a multiple of 32), moe_gate_up_few and moe_down_few (with and without a shared expert)
-    against a CPU double-precision reference on the same bf16 inputs; exit code 1 if any is past its bar."""
+    against a CPU double-precision reference on the same bf16 inputs, and the expert kernels' every swept variant
+    (MINB, U) bit-equal to the one the model launches; exit code 1 if any is past its bar or differs."""
     run(["make", "-C", ROOT, "dev/few_lab"])
     r = run([os.path.join(ROOT, "dev", "few_lab")])
     print("\n" + r.stdout)
