@@ -2688,16 +2688,18 @@ __device__ __forceinline__ void few_rows(float (&acc)[2][4], WPtr w0, WPtr w1, c
 /* y[t, r] = beta * y[t, r] + W[r, :] . x[t, :] for n <= 16 tokens (x rows of `in` values, bf16 or f32). A block: 8
  * warps on 8 / KS tiles of 16 rows, KS warps splitting a tile's chunks (then summed through shared memory, in warp
  * order), so small matrices (o_proj: 128 tiles, the router: 16) still spread over the GPU. Measured at 16 tokens
- * (dev/few_lab, H200) it beats cuBLAS only on small matrices (the router), so gemm() sends it those (few_max). */
-template <typename W, typename X, int KS, int HALVES>
-__global__ void __launch_bounds__(256) gemm_few(float *y, int ldy, WPtr w, int out, int in, const X *x, int n,
-                                                float beta) {
+ * (dev/few_lab, H200) it beats cuBLAS only on small matrices (the router), so gemm() sends it those (few_max), and
+ * q8 / q4 ones of every size (cuBLAS would need them dequantized first). MINB (blocks an SM the registers must allow)
+ * and U (chunks in flight) are gemm_few_launch's choice; the sums' order does not depend on them. */
+template <typename W, typename X, int KS, int HALVES, int MINB = 1, int U = 4>   /* MINB, U: as moe_gate_up_few's */
+__global__ void __launch_bounds__(256, MINB) gemm_few(float *y, int ldy, WPtr w, int out, int in, const X *x, int n,
+                                                      float beta) {
     __shared__ float part[8][8][32];                           /* [warp][acc value][lane] */
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int r0 = (blockIdx.x * (8 / KS) + warp / KS) * 16, ks = warp % KS;
     float acc[2][4] = {};
     if (r0 < out)
-        few_rows<W, X, HALVES, 4>(acc, wrow<W>(w, min(r0 + g, out - 1), in), wrow<W>(w, min(r0 + g + 8, out - 1), in),
+        few_rows<W, X, HALVES, U>(acc, wrow<W>(w, min(r0 + g, out - 1), in), wrow<W>(w, min(r0 + g + 8, out - 1), in),
                                   x + (size_t)min(g, n - 1) * in, x + (size_t)min(g + 8, n - 1) * in, in, ks, KS, lane);
     if (KS > 1) {
         if (ks)
@@ -4199,7 +4201,8 @@ static int few_ok(const GpuModel *g, int n, int wdt) {
 }
 /* gemm_few only for matrices of up to few_max elements: at 16 tokens on the H200 (dev/few_lab) it beat cuBLAS on the
  * router (256 x 2048: 6.1 against 10.5 us) and lost on the big ones (q/k/v/g 19.7 against 15.4, o_proj 22.8 / 15.0,
- * lm_head 124 / 105), whose many tiles cuBLAS keeps streaming; the experts' few-token kernels win at every size */
+ * lm_head 124 / 105), whose many tiles cuBLAS keeps streaming; the experts' few-token kernels win at every size.
+ * At 3 blocks an SM (round 35) q/k/v/g is 15.4 against cuBLAS' 15.1 us: still no reason to raise few_max. */
 static void gemm_few_launch(GpuModel *g, float *y, int ldy, int wdt, const void *W, int out, int in, const void *x,
                             int x_bf16, int n, float beta);
 
@@ -4321,7 +4324,11 @@ static void gemm_few_launch(GpuModel *g, float *y, int ldy, int wdt, const void 
     while (ks < 8 && (tiles * ks + 7) / 8 < 2 * g->nsm) ks *= 2;
     dim3 grid((tiles * ks + 7) / 8);
     const WPtr w = wmat(wdt, W, out, in);
-#define FEW(WF, X, KS) do { if (n > 8) gemm_few<WF, X, KS, 2><<<grid, 256, 0, g->stream>>>(y, ldy, w, out, in, (const X *)x, n, beta); \
+/* n > 8 at KS <= 4 (tall matrices): 3 blocks an SM, 2 chunks in flight (./dev/few_lab gemm-sweep, H200, 16 tokens,
+ * us: q/k/v/g 10304 x 2048 bf16 20.0 -> 15.4, q8 22.9 -> 16.3, q4 23.7 -> 18.5; q8 / q4 lm_head 115 / 119 -> 105 / 107;
+ * no gain at KS 8 or at 5 tokens; dev/gpu_notes.md round 35) */
+#define FEW(WF, X, KS) do { if (n > 8 && KS <= 4) gemm_few<WF, X, KS, 2, 3, 2><<<grid, 256, 0, g->stream>>>(y, ldy, w, out, in, (const X *)x, n, beta); \
+                            else if (n > 8) gemm_few<WF, X, KS, 2><<<grid, 256, 0, g->stream>>>(y, ldy, w, out, in, (const X *)x, n, beta); \
                             else gemm_few<WF, X, KS, 1><<<grid, 256, 0, g->stream>>>(y, ldy, w, out, in, (const X *)x, n, beta); } while (0)
 #define FEW_KS(WF, X) switch (ks) { case 1: FEW(WF, X, 1); break; case 2: FEW(WF, X, 2); break; case 4: FEW(WF, X, 4); break; default: FEW(WF, X, 8); }
 #define FEW_X(WF) do { if (x_bf16) FEW_KS(WF, bf16) else FEW_KS(WF, float) } while (0)

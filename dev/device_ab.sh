@@ -22,7 +22,8 @@
 # the $TRACE_ENV_DT file (default bf16); in a set, dt=q8 traces that file, ctx=N at that context and bin=.altN that
 # ALTS build (built with its trace build when TRACE=1), e.g. TRACE_ENV="LAGUNA_TRACE_MODE=2 bin=.alt1; dt=q8 ctx=3072".
 # $LABS: kernel labs (make targets, e.g. "dev/few_lab") built with B and run once after the builds, before the
-# benches, their output into ab.txt ($LAB_TIMEOUT s each at most, default 300: dev/few_lab needs more than 120).
+# benches, their output into ab.txt ($LAB_TIMEOUT s each at most, default 300: dev/few_lab needs more than 120); a word
+# LAB:ARG runs it with that argument (dev/few_lab:gemm-sweep).
 # $ALTS: more builds to time beside A and B (directories prepared here with --prepare-alt DIR 'NVCC -D flags': this tree's
 # sources built with those flags; carry them with .ab), run after A in every round, labelled by their directory.
 # $TESTS=1: then the GPU tests (make test-gpu's) on B until $DEADLINE s (default 585) after the start (a call is 600 s at most),
@@ -67,7 +68,8 @@ BALT=                                                   # "pid:dir" of each ALTS
 TR=; [ "${TRACE:-0}" = 1 ] && TR=laguna-cu-trace.o      # its own nvcc run, in parallel; linked below
 for d in ${ALTS:-}; do ( cd $d && { make -j8 cuda dev/bench_gpu $TR && { [ -z "$TR" ] || make dev/bench_gpu_trace; }; } \
     > "$OUT/build_${d#.}.log" 2>&1 ) & BALT="$BALT $!:$d"; done    # (with TRACE=1 each alt's trace build too: bin=)
-make -j8 cuda dev/bench_gpu $TR ${LABS:-} > "$OUT/build_b.log" 2>&1 || { tail -20 "$OUT/build_b.log" >> "$S"; exit 1; }
+labs=; for lab in ${LABS:-}; do labs="$labs ${lab%%:*}"; done
+make -j8 cuda dev/bench_gpu $TR $labs > "$OUT/build_b.log" 2>&1 || { tail -20 "$OUT/build_b.log" >> "$S"; exit 1; }
 if [ -n "$TR" ]; then make dev/bench_gpu_trace >> "$OUT/build_b.log" 2>&1 || { tail -20 "$OUT/build_b.log" >> "$S"; exit 1; }; fi
 wait $BA || { tail -20 "$OUT/build_a.log" >> "$S"; exit 1; }
 for pd in $BALT; do d=${pd#*:}; wait ${pd%%:*} || { tail -20 "$OUT/build_${d#.}.log" >> "$S"; exit 1; }; done
@@ -75,7 +77,8 @@ for d in ${ALTS:-}; do echo "${d#.} = $(cat $d/REF)" >> "$S"; done
 echo "A = $(cat .ab/REF), B = this tree; built in $(( $(date +%s) - t0 )) s" >> "$S"
 wait $EXP || { tail -5 "$OUT/export.log" >> "$S"; exit 1; }   # no export running while timing
 echo "exported in $(( $(date +%s) - t0 )) s" >> "$S"
-for lab in ${LABS:-}; do echo "== $lab" >> "$S"; timeout ${LAB_TIMEOUT:-300} ./$lab >> "$S" 2>&1; echo "== $lab rc $?" >> "$S"; done
+for lab in ${LABS:-}; do echo "== $lab" >> "$S"       # a word LAB:ARG runs ./LAB ARG (e.g. dev/few_lab:gemm-sweep)
+    timeout ${LAB_TIMEOUT:-300} ./${lab%%:*} $([[ $lab == *:* ]] && echo "${lab#*:}") >> "$S" 2>&1; echo "== $lab rc $?" >> "$S"; done
 CTX=${CTX:-512}
 for dt in $DTYPES; do
     f=/dev/shm/ab-$dt.bin

@@ -9,7 +9,8 @@
  * of 32, fewer than 8 tokens). Matrices smaller than 256 MB are timed over rotating copies so L2 does not serve
  * them. GB/s = weight bytes / time. Exit code 1 if a check fails. `./dev/few_lab experts` runs the MoE cases alone;
  * their timed cases also sweep the expert kernels' MINB (blocks an SM their registers allow) and U (chunks in flight),
- * each variant's outputs bit-equal to those of the variant the model takes (few_moe_pick). */
+ * each variant's outputs bit-equal to those of the variant the model takes (few_moe_pick); `./dev/few_lab gemm-sweep`
+ * does the same for gemm_few at the verification's shapes. */
 #include "../laguna.cu"
 #include "lab_graph.h"
 
@@ -133,6 +134,59 @@ static void gemm_case(GpuModel *g, cublasHandle_t blas, int out, int in, int n, 
         if (dq) CUDA_CHECK(cudaFree(dq));
     }
     CUDA_CHECK(cudaFree(dw)); CUDA_CHECK(cudaFree(dxb)); CUDA_CHECK(cudaFree(dxf)); CUDA_CHECK(cudaFree(dy));
+}
+
+/* gemm_few's occupancy (MINB blocks an SM its registers allow) and chunks in flight (U), for n tokens (HALVES 2 above
+ * 8, else 1) and bf16 x at gemm_few_launch's KS: us a call, each variant's output bit-equal to the default's (1/4) */
+template <typename W> static void gemm_sweep(int out, int in, int n, int nsm) {
+    const LabMat<W> m = lab_mat<W>(out, in, 0.05f);
+    const size_t mb = m.bytes.size();
+    const int copies = (int)std::min<size_t>(64, std::max<size_t>(1, (256ull << 20) / mb + 1));
+    uint8_t *dw = up_copies(m, copies);
+    bf16 *dx = up(rand_bf((size_t)n * in, 1.0f));
+    float *dy;
+    CUDA_CHECK(cudaMalloc(&dy, (size_t)n * out * 4));
+    const int dt = Fmt<W>::DT, tiles = (out + 15) / 16;
+    int ks = 1;
+    while (ks < 8 && (tiles * ks + 7) / 8 < 2 * nsm) ks *= 2;
+    std::vector<float> ref((size_t)n * out), y((size_t)n * out);
+    printf("  %s%d x %d, %d tokens, KS %d:", dt == DT_Q8 ? "q8 " : dt == DT_Q4 ? "q4 " : "", out, in, n, ks);
+    auto variant = [&](auto mbc, auto uc, int first) {
+        constexpr int MB = decltype(mbc)::value, U = decltype(uc)::value;
+        auto go = [&](int i) {
+            const WPtr w = wmat(dt, dw + mb * (i % copies), out, in);
+            const dim3 grid((tiles * ks + 7) / 8);
+            auto launch = [&](auto ksc, auto hc) {
+                gemm_few<W, bf16, decltype(ksc)::value, decltype(hc)::value, MB, U><<<grid, 256>>>(dy, out, w, out, in,
+                                                                                                   dx, n, 0.0f);
+            };
+            auto by_ks = [&](auto hc) {
+                switch (ks) {
+                case 1: launch(IntC<1>(), hc); break;
+                case 2: launch(IntC<2>(), hc); break;
+                case 4: launch(IntC<4>(), hc); break;
+                default: launch(IntC<8>(), hc);
+                }
+            };
+            if (n > 8) by_ks(IntC<2>()); else by_ks(IntC<1>());
+        };
+        const float t = time_ms(go, 50);
+        go(0);
+        CUDA_CHECK(cudaMemcpy(y.data(), dy, y.size() * 4, cudaMemcpyDeviceToHost));
+        if (first) ref = y;
+        const int same = !memcmp(y.data(), ref.data(), y.size() * 4);
+        if (!same) fails++;
+        printf("  %d/%d %.2f%s", MB, U, 1e3 * t, same ? "" : " DIFFERS");
+    };
+    variant(IntC<1>(), IntC<4>(), 1);
+    variant(IntC<3>(), IntC<2>(), 0);
+    variant(IntC<3>(), IntC<3>(), 0);
+    variant(IntC<4>(), IntC<2>(), 0);
+    variant(IntC<2>(), IntC<6>(), 0);
+    variant(IntC<4>(), IntC<3>(), 0);
+    variant(IntC<2>(), IntC<4>(), 0);
+    printf("\n");
+    CUDA_CHECK(cudaFree(dw)); CUDA_CHECK(cudaFree(dx)); CUDA_CHECK(cudaFree(dy));
 }
 
 /* the experts of n tokens (top-K of E, uniform routing; W: the experts' format): moe_gate_up_few + moe_down_few
@@ -282,6 +336,18 @@ int main(int argc, char **argv) {
     cublasHandle_t blas;
     CUBLAS_CHECK(cublasCreate(&blas));
     printf("%s, %d SMs\n", prop.name, g.nsm);
+    if (argc > 1 && !strcmp(argv[1], "gemm-sweep")) {      /* ./dev/few_lab gemm-sweep: gemm_few's variants alone */
+        printf("gemm_few variants (MINB/U us):\n");
+        const int shapes[][2] = {{10304, 2048}, {2048, 8192}, {100352, 2048}, {2048, 2048}};
+        for (int n : {16, 5})
+            for (auto &sh : shapes) {
+                gemm_sweep<bf16>(sh[0], sh[1], n, g.nsm);
+                gemm_sweep<Q8>(sh[0], sh[1], n, g.nsm);
+                gemm_sweep<Q4>(sh[0], sh[1], n, g.nsm);
+            }
+        printf("%s\n", fails ? "FAILED" : "all checks passed");
+        return fails != 0;
+    }
     if (!experts_only) {
         printf("gemm_few (y = W x, bf16 W), the verification's shapes, 16 tokens:\n");
         gemm_case<bf16>(&g, blas, 10304, 2048, 16, 0, 0.0f, 1);     /* q/k/v/g of a sliding layer */
