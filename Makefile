@@ -86,6 +86,9 @@ dev/expert_lab: dev/expert_lab.cu dev/lab_graph.h laguna.cu laguna.h
 	$(NVCC) $(NVCCFLAGS) dev/expert_lab.cu -o $@ -lcublas
 
 # what a dependent load (DRAM or L2) costs while a stream keeps N bytes in flight (dev/gpu_notes.md)
+dev/access_lab: dev/access_lab.cu laguna.cu laguna.h
+	$(NVCC) $(NVCCFLAGS) dev/access_lab.cu -o $@ -lcublas
+
 dev/latency_lab: dev/latency_lab.cu laguna.cu laguna.h
 	$(NVCC) $(NVCCFLAGS) dev/latency_lab.cu -o $@ -lcublas
 
@@ -108,7 +111,7 @@ bench: dev/bench_gpu dev/matvec_lab dev/bench_dflash
 
 .PHONY: clean test cuda cuda-compile test-gpu test-gpu-1 test-gpu-2 bench
 clean:
-	rm -f laguna laguna-debug laguna-cuda dev/bench_gpu dev/bench_gpu_trace dev/bench_dflash dev/matvec_lab dev/moe_gemm_lab dev/chain_lab dev/bulk_lab dev/few_lab dev/skinny_lab dev/sample_lab dev/expert_lab dev/latency_lab *.o
+	rm -f laguna laguna-debug laguna-cuda dev/bench_gpu dev/bench_gpu_trace dev/bench_dflash dev/matvec_lab dev/moe_gemm_lab dev/chain_lab dev/bulk_lab dev/few_lab dev/skinny_lab dev/sample_lab dev/expert_lab dev/latency_lab dev/access_lab *.o
 
 # tokenizer speed: encode a file, tokens/s on one core (make bench_tokenizer && ./bench_tokenizer MODEL.bin FILE)
 bench_tokenizer: dev/bench_tokenizer.c tokenizer.c tokenizer.h tokenizer_unicode.h
