@@ -2652,23 +2652,36 @@ template <typename W> __device__ __forceinline__ uint4 few_w8(const typename Few
 /* one warp: acc[h] += rows (w0, w1) times tokens (x0, x1) of half h over chunks c0, c0 + cs, ... of K (K % 8 == 0).
  * Every pointer must be a real row: a row or token past the end is some other row whose results the caller drops
  * (an mma's outputs for row m / token n depend on that row / token alone). U chunks' loads are in flight at once.
- * W: the rows' format (bf16, or q8 / q4 dequantized to bf16 on the way, see few_w8). */
-template <typename W, typename X, int HALVES, int U>
+ * W: the rows' format (bf16, or q8 / q4 dequantized to bf16 on the way, see few_w8). WF: a group's weight loads all
+ * issue before its token loads (whose addresses may still be on their way: the experts' token lists), else they
+ * alternate; which is faster depends on the format and the occupancy (few_moe_pick), the sums are the same. */
+template <typename W, typename X, int HALVES, int U, bool WF = false>
 __device__ __forceinline__ void few_rows(float (&acc)[2][4], WPtr w0, WPtr w1, const X *x0, const X *x1,
                                          int K, int c0, int cs, int lane) {
     const int kl = 8 * (lane & 3), nch = (K + 31) / 32;
     for (int c = c0; c < nch; c += U * cs) {
         typename FewW<W>::T la[U], lb[U];
         uint4 xv[U][2];
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            if (c + u * cs >= nch) break;                      /* the same for the whole warp */
+        auto load_x = [&](int u) {
             const int k = (c + u * cs) * 32 + kl, kk = min(k, K - 8);
-            la[u] = few_wload<W>(w0, kk);
-            lb[u] = few_wload<W>(w1, kk);
             xv[u][0] = few_x8(x0 + kk);
             if (HALVES == 2) xv[u][1] = few_x8(x1 + kk);
             if (k >= K) xv[u][0] = xv[u][1] = make_uint4(0, 0, 0, 0);   /* past K (K % 32 != 0): adds nothing */
+        };
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            if (c + u * cs >= nch) break;                      /* the same for the whole warp */
+            const int kk = min((c + u * cs) * 32 + kl, K - 8);
+            la[u] = few_wload<W>(w0, kk);
+            lb[u] = few_wload<W>(w1, kk);
+            if (!WF) load_x(u);
+        }
+        if (WF) {
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                if (c + u * cs >= nch) break;
+                load_x(u);
+            }
         }
 #pragma unroll
         for (int u = 0; u < U; u++) {
@@ -2729,8 +2742,8 @@ __global__ void __launch_bounds__(256, MINB) gemm_few(float *y, int ldy, WPtr w,
  * their gate rows (g) and up rows (g + 8), so lane (g, t) ends with gate and up of unit j0 + g for its tokens and
  * applies the SwiGLU itself. A block: 64 units of one expert. An expert has at most n <= 16 pairs (a token picks an
  * expert once). */
-template <typename W, int MINB, int U, int U2>   /* MINB: blocks an SM the registers must allow; U / U2: chunks in
-                                                    flight for experts of <= 8 / > 8 tokens (see few_moe_pick) */
+template <typename W, int MINB, int U, int U2, bool WF>   /* MINB: blocks an SM the registers must allow; U / U2:
+                               chunks in flight for experts of <= 8 / > 8 tokens; WF: few_rows' (see few_moe_pick) */
 __global__ void __launch_bounds__(256, MINB) moe_gate_up_few(WPtr experts_gu, int I, WPtr always_gu, int S, int H,
                                                       const bf16 *x, int n, const int *start, const int *pair_tok,
                                                       const int *active, const int *n_active, int max_active,
@@ -2765,8 +2778,8 @@ __global__ void __launch_bounds__(256, MINB) moe_gate_up_few(WPtr experts_gu, in
     const bf16 *x0 = x + (size_t)(toks ? toks[s0] : s0) * H, *x1 = x + (size_t)(toks ? toks[s1] : s1) * H;
     float acc[2][4] = {};
     const WPtr wg = wrow<W>(base, row0 + j, H), wu = wrow<W>(base, row0 + hid + j, H);
-    if (cnt > 8) few_rows<W, bf16, 2, U2>(acc, wg, wu, x0, x1, H, 0, 1, lane);
-    else few_rows<W, bf16, 1, U>(acc, wg, wu, x0, x1, H, 0, 1, lane);
+    if (cnt > 8) few_rows<W, bf16, 2, U2, WF>(acc, wg, wu, x0, x1, H, 0, 1, lane);
+    else few_rows<W, bf16, 1, U, WF>(acc, wg, wu, x0, x1, H, 0, 1, lane);
     if (j0 + g >= hid) return;
 #pragma unroll
     for (int h = 0; h < 2; h++)
@@ -2779,7 +2792,7 @@ __global__ void __launch_bounds__(256, MINB) moe_gate_up_few(WPtr experts_gu, in
 
 /* the experts' down projections for a few tokens (W as in moe_gate_up_few): y_pair[first + i] = down_e . act[first +
  * i] for each pair, ys[t] = always_down . act_s[t]. A warp owns 16 rows of H, a block 128 rows of one expert. */
-template <typename W, int MINB, int U, int U2>   /* as moe_gate_up_few's */
+template <typename W, int MINB, int U, int U2, bool WF>   /* as moe_gate_up_few's */
 __global__ void __launch_bounds__(256, MINB) moe_down_few(WPtr experts_down, int I, WPtr always_down, int S, int H, int n,
                                                    const int *start, const int *active, const int *n_active,
                                                    int max_active, const bf16 *act, const bf16 *act_s, float *y_pair,
@@ -2813,8 +2826,9 @@ __global__ void __launch_bounds__(256, MINB) moe_down_few(WPtr experts_down, int
     const int s0 = min(g, cnt - 1), s1 = min(g + 8, cnt - 1);
     const WPtr w0 = wrow<W>(base, row0 + min(r0 + g, H - 1), hid), w1 = wrow<W>(base, row0 + min(r0 + g + 8, H - 1), hid);
     float acc[2][4] = {};
-    if (cnt > 8) few_rows<W, bf16, 2, U2>(acc, w0, w1, xin + (size_t)s0 * hid, xin + (size_t)s1 * hid, hid, 0, 1, lane);
-    else few_rows<W, bf16, 1, U>(acc, w0, w1, xin + (size_t)s0 * hid, xin, hid, 0, 1, lane);
+    if (cnt > 8)
+        few_rows<W, bf16, 2, U2, WF>(acc, w0, w1, xin + (size_t)s0 * hid, xin + (size_t)s1 * hid, hid, 0, 1, lane);
+    else few_rows<W, bf16, 1, U, WF>(acc, w0, w1, xin + (size_t)s0 * hid, xin, hid, 0, 1, lane);
 #pragma unroll
     for (int h = 0; h < 2; h++)
 #pragma unroll
@@ -4597,18 +4611,24 @@ static void moe_shared_many(GpuModel *g, GpuLayer *L, int n) {
     gemm(g, g->ys, H, L->down, H, S, g->mlp_act, n, 0.0f, g->wdt);
 }
 
-/* The few-token expert kernels' template arguments (MINB, U, U2) for n tokens of format W, passed to launch as IntC
- * values: chosen by dev/few_lab's sweep (H200, XS-2.1 experts, 2026-12-03; us for gate/up + down, the outputs
- * bit-equal in every variant since the sums' order does not depend on them):
+/* The few-token expert kernels' template arguments (MINB, U, U2, WF) for n tokens of format W, passed to launch as
+ * IntC values: chosen by dev/few_lab's sweep (H200, XS-2.1 experts; us for gate/up + down, the outputs bit-equal in
+ * every variant since the sums' order does not depend on them). 2026-12-03, WF 0:
  *   bf16, 16 tokens: MINB 1 U 4 (110 registers, 2 blocks an SM) 206.8, MINB 2 U 8/4 203.3, MINB 3 U 4/2 210.7
  *   bf16, 5 tokens: 93.3, 92.2, 80.6 (MINB 1 leaves 1.2 waves of blocks: a tail); 2 tokens: 42.6, 41.3, 42.4
  *   q8 / q4, 16 tokens: MINB 1 U 4 190.3 / 202.6, MINB 4 U 2 163.6 / 169.6 (dequantizing wants more warps)
+ * 2026-12-04, WF 1 (the weights' loads before the tokens'), three runs: bf16 16 tokens MINB 4 U 2/2 189.7-191.1
+ * against WF 0's best 203.0-204.0 (MINB 2 U 8/4; 219.6-220.1 with WF 1); 5 tokens MINB 3 U 2/2 75.2 against
+ * 81.5-81.7 (MINB 3 U 4/2); 2 tokens 41.3-43.6 against 39.3-42.5 (kept); q8 / q4 16 tokens 174.6-175.8 /
+ * 183.4-184.9 against 162.0-162.8 / 168.2-170.3 (kept). The 16-token verify (bf16, bench_gpu) 11.23-11.26 -> 10.76-10.79
+ * ms at 512 (dev/gpu_notes.md, round 36).
  * The bytes are read once in every variant; what differs is how many an SM has in flight and the last wave's share. */
 template <int V> struct IntC { static constexpr int value = V; };
 template <typename W, typename F> static void few_moe_pick(int n, F launch) {
-    if constexpr (is_q<W>) launch(IntC<4>(), IntC<2>(), IntC<2>());
-    else if (n > 8) launch(IntC<2>(), IntC<8>(), IntC<4>());
-    else launch(IntC<3>(), IntC<4>(), IntC<2>());
+    if constexpr (is_q<W>) launch(IntC<4>(), IntC<2>(), IntC<2>(), IntC<0>());
+    else if (n > 8) launch(IntC<4>(), IntC<2>(), IntC<2>(), IntC<1>());
+    else if (n > 2) launch(IntC<3>(), IntC<2>(), IntC<2>(), IntC<1>());
+    else launch(IntC<3>(), IntC<4>(), IntC<2>(), IntC<0>());
 }
 
 /* the MoE of n > 1 tokens, grouped by expert (W: the experts' format; P: bf16 or f32, the router's and the GEMMs') */
@@ -4650,14 +4670,15 @@ static void moe_many(GpuModel *g, int l, int n) {
         bf16 *act_s = g->act_few + (size_t)n * K * I;
         const WPtr wgu = wmat(DT, L->experts_gate_up, (size_t)E * 2 * I, H), wsgu = wmat(DT, L->gate_up, 2 * (size_t)S, H),
                    wdn = wmat(DT, L->experts_down, (size_t)E * H, I), wsdn = wmat(DT, L->down, H, S);
-        few_moe_pick<W>(n, [&](auto mb, auto u, auto u2) {
+        few_moe_pick<W>(n, [&](auto mb, auto u, auto u2, auto wf) {
             constexpr int MB = decltype(mb)::value, U = decltype(u)::value, U2 = decltype(u2)::value;
-            moe_gate_up_few<W, MB, U, U2><<<max_active * ((I + 63) / 64) + (S + 63) / 64, 256, 0, g->stream>>>(
+            constexpr bool WF = decltype(wf)::value;
+            moe_gate_up_few<W, MB, U, U2, WF><<<max_active * ((I + 63) / 64) + (S + 63) / 64, 256, 0, g->stream>>>(
                 wgu, I, wsgu, S, H, (const bf16 *)g->act16, n, g->start, g->pair_tok, g->active, g->n_active,
                 max_active, g->act_few, act_s);
             LAUNCH_CHECK();
             prof_mark(g, "experts gate/up");
-            moe_down_few<W, MB, U, U2><<<(max_active + 1) * ((H + 127) / 128), 256, 0, g->stream>>>(
+            moe_down_few<W, MB, U, U2, WF><<<(max_active + 1) * ((H + 127) / 128), 256, 0, g->stream>>>(
                 wdn, I, wsdn, S, H, n, g->start, g->active, g->n_active, max_active, g->act_few, act_s, g->y_pair,
                 g->ys);
             LAUNCH_CHECK();

@@ -8,7 +8,8 @@
  * tokens top-8 of 256 experts, I 512, shared 512) and odd small ones (rows not a multiple of 16, K not a multiple
  * of 32, fewer than 8 tokens). Matrices smaller than 256 MB are timed over rotating copies so L2 does not serve
  * them. GB/s = weight bytes / time. Exit code 1 if a check fails. `./dev/few_lab experts` runs the MoE cases alone;
- * their timed cases also sweep the expert kernels' MINB (blocks an SM their registers allow) and U (chunks in flight),
+ * their timed cases also sweep the expert kernels' MINB (blocks an SM their registers allow), U (chunks in flight)
+ * and WF (few_rows' load order),
  * each variant's outputs bit-equal to those of the variant the model takes (few_moe_pick); `./dev/few_lab gemm-sweep`
  * does the same for gemm_few at the verification's shapes. */
 #include "../laguna.cu"
@@ -228,18 +229,20 @@ static void moe_case(int E, int K, int H, int I, int S, int n, int timed) {
     CUDA_CHECK(cudaMalloc(&d_hp, (size_t)P * I * 4));
     CUDA_CHECK(cudaMalloc(&d_hs, (size_t)n * S * 4));
     bf16 *d_acts = d_act + (size_t)P * I;
-    /* the two kernels at template arguments (MINB, U, U2) given as IntC values; run_few: the ones the model takes */
-    auto gate_up = [&](auto mb, auto u, auto u2) {
-        moe_gate_up_few<W, decltype(mb)::value, decltype(u)::value, decltype(u2)::value>
+    /* the two kernels at template arguments (MINB, U, U2, WF) given as IntC values; run_few: the ones the model takes */
+    auto gate_up = [&](auto mb, auto u, auto u2, auto wf) {
+        moe_gate_up_few<W, decltype(mb)::value, decltype(u)::value, decltype(u2)::value, (bool)decltype(wf)::value>
             <<<max_active * ((I + 63) / 64) + (S + 63) / 64, 256>>>(w_egu, I, w_sgu, S, H, d_x, n, d_start, d_tok,
                                                                    d_active, d_na, max_active, d_act, d_acts);
     };
-    auto down = [&](auto mb, auto u, auto u2) {
-        moe_down_few<W, decltype(mb)::value, decltype(u)::value, decltype(u2)::value>
+    auto down = [&](auto mb, auto u, auto u2, auto wf) {
+        moe_down_few<W, decltype(mb)::value, decltype(u)::value, decltype(u2)::value, (bool)decltype(wf)::value>
             <<<(max_active + 1) * ((H + 127) / 128), 256>>>(w_edn, I, w_sdn, S, H, n, d_start, d_active, d_na,
                                                             max_active, d_act, d_acts, d_yp, d_ys);
     };
-    auto run_few = [&]() { few_moe_pick<W>(n, [&](auto mb, auto u, auto u2) { gate_up(mb, u, u2); down(mb, u, u2); }); };
+    auto run_few = [&]() {
+        few_moe_pick<W>(n, [&](auto mb, auto u, auto u2, auto wf) { gate_up(mb, u, u2, wf); down(mb, u, u2, wf); });
+    };
     run_few();
     CUDA_CHECK(cudaDeviceSynchronize());
     std::vector<bf16> act((size_t)P * I + (size_t)n * S);
@@ -306,23 +309,24 @@ static void moe_case(int E, int K, int H, int I, int S, int n, int timed) {
                      b_dn = (double)mdn.bytes.size() * na / E + msdn.bytes.size();
         std::vector<bf16> act_v(act.size());
         std::vector<float> yp_v(yp.size());
-        auto variant = [&](auto mb, auto u, auto u2) {
-            const float tg = time_ms([&](int) { gate_up(mb, u, u2); }, 30), td = time_ms([&](int) { down(mb, u, u2); }, 30);
+        auto variant = [&](auto mb, auto u, auto u2, auto wf) {
+            const float tg = time_ms([&](int) { gate_up(mb, u, u2, wf); }, 30),
+                        td = time_ms([&](int) { down(mb, u, u2, wf); }, 30);
             CUDA_CHECK(cudaMemcpy(act_v.data(), d_act, act_v.size() * 2, cudaMemcpyDeviceToHost));
             CUDA_CHECK(cudaMemcpy(yp_v.data(), d_yp, yp_v.size() * 4, cudaMemcpyDeviceToHost));
             const int same = !memcmp(act_v.data(), act.data(), act.size() * 2) && !memcmp(yp_v.data(), yp.data(), yp.size() * 4);
             if (!same) fails++;
-            printf("    MINB %d U %d/%d: gate/up %7.2f us (%5.0f GB/s), down %6.2f us (%5.0f GB/s), sum %7.2f%s\n",
-                   decltype(mb)::value, decltype(u)::value, decltype(u2)::value, 1e3 * tg, b_gu / (1e6 * tg), 1e3 * td,
-                   b_dn / (1e6 * td), 1e3 * (tg + td), same ? "" : "  OUTPUTS DIFFER");
+            printf("    MINB %d U %d/%d WF %d: gate/up %7.2f us (%5.0f GB/s), down %6.2f us (%5.0f GB/s), sum %7.2f%s\n",
+                   decltype(mb)::value, decltype(u)::value, decltype(u2)::value, decltype(wf)::value, 1e3 * tg,
+                   b_gu / (1e6 * tg), 1e3 * td, b_dn / (1e6 * td), 1e3 * (tg + td), same ? "" : "  OUTPUTS DIFFER");
         };
-        variant(IntC<1>(), IntC<4>(), IntC<4>());
-        variant(IntC<2>(), IntC<8>(), IntC<4>());
-        variant(IntC<2>(), IntC<6>(), IntC<6>());
-        variant(IntC<3>(), IntC<4>(), IntC<2>());
-        variant(IntC<3>(), IntC<2>(), IntC<2>());
-        variant(IntC<4>(), IntC<2>(), IntC<2>());
-        variant(IntC<4>(), IntC<3>(), IntC<2>());
+        variant(IntC<2>(), IntC<8>(), IntC<4>(), IntC<0>());
+        variant(IntC<3>(), IntC<4>(), IntC<2>(), IntC<0>());
+        variant(IntC<4>(), IntC<2>(), IntC<2>(), IntC<0>());
+        variant(IntC<3>(), IntC<4>(), IntC<2>(), IntC<1>());
+        variant(IntC<3>(), IntC<2>(), IntC<2>(), IntC<1>());
+        variant(IntC<4>(), IntC<2>(), IntC<2>(), IntC<1>());
+        variant(IntC<4>(), IntC<3>(), IntC<2>(), IntC<1>());
     }
     void *fr[] = {d_egu, d_edn, d_sgu, d_sdn, d_x, d_xf, d_start, d_active, d_tok, d_na, d_act, d_yp, d_ys, d_hp, d_hs};
     for (void *p : fr) CUDA_CHECK(cudaFree(p));
