@@ -18,10 +18,14 @@
  * near `flat`, the access shape is not what holds the kernel back (its arithmetic and dependences are); if `row512` /
  * `flat` are well above `few`, a layout with contiguous row loads (and a reshuffle to the mma fragments) is worth it.
  * Then the kernel itself (mma_kernel: few_rows' loads and mma steps on the same grid) on row-major rows and on rows
- * interleaved by 8-row groups, so that its loads are 512 contiguous bytes a warp with no reshuffle at all. */
+ * interleaved by 8-row groups, so that its loads are 512 contiguous bytes a warp with no reshuffle at all; then
+ * row-major with padded rows, and the model's grid shape (a block an item) against a persistent one.
+ * Measured (H200, 2026-12-04; dev/gpu_notes.md rounds 35-36): flat 4.1-4.3 TB/s, few 2.8-2.9, row512 4.0-4.2; the mma
+ * kernel row-major 3.7-3.8 at 2 blocks an SM, interleaved 4.1-4.2; padding and the grid's shape change nothing. */
 #include "../laguna.cu"
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 static const int E = 256, I = 512, H = 2048, NACT = 99;        /* XS-2.1's experts; 99 active at 16 tokens */
@@ -91,16 +95,17 @@ __global__ void __launch_bounds__(256) access_kernel(const uint8_t *w, const int
  * count; 2 for 16), reading either the file's row-major rows or the same rows interleaved by 8-row groups (IL 1: group
  * q's 8 rows as [32-k chunk c][row g][64 bytes], so the 32 lanes' 16-byte loads of a chunk are 512 contiguous bytes).
  * Out: the lanes' sums (the two layouts' must be bit-equal: the same products in the same order). */
-__device__ __forceinline__ const uint8_t *il_row(const uint8_t *ex, size_t r, int il) {   /* (row r, k 0) */
-    return il ? ex + r / 8 * 8 * H * 2 + r % 8 * 64 : ex + r * H * 2;
+__device__ __forceinline__ const uint8_t *il_row(const uint8_t *ex, size_t r, int il, size_t ld) {   /* (row r, k 0) */
+    return il ? ex + r / 8 * 8 * H * 2 + r % 8 * 64 : ex + r * ld;
 }
-template <int IL, int HALVES, int U>
-__global__ void __launch_bounds__(256) mma_kernel(const uint8_t *w, const int *active, const bf16 *x, float *out) {
+template <int IL, int HALVES, int U, int OCC = 1>   /* OCC: the blocks an SM the registers must allow */
+__global__ void __launch_bounds__(256, OCC) mma_kernel(const uint8_t *w, const int *active, const bf16 *x, float *out,
+                                                  size_t ld, int nitems) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    for (int b = blockIdx.x; b < NACT * 8; b += gridDim.x) {
+    for (int b = blockIdx.x; b < nitems; b += gridDim.x) {
         const int j0 = (b % 8) * 64 + warp * 8, cnt = HALVES == 2 ? 16 : 2;
-        const uint8_t *ex = w + (size_t)active[b / 8] * EXPERT_BYTES;
-        const uint8_t *w0 = il_row(ex, j0 + g, IL), *w1 = il_row(ex, I + j0 + g, IL);
+        const uint8_t *ex = w + (size_t)active[b / 8 % NACT] * 2 * I * ld;   /* items past NACT * 8: again */
+        const uint8_t *w0 = il_row(ex, j0 + g, IL, ld), *w1 = il_row(ex, I + j0 + g, IL, ld);
         const bf16 *x0 = x + (size_t)min(g, cnt - 1) * H, *x1 = x + (size_t)min(g + 8, cnt - 1) * H;
         float acc[2][4] = {};
         for (int c = 0; c < H / 32; c += U) {
@@ -125,7 +130,7 @@ __global__ void __launch_bounds__(256) mma_kernel(const uint8_t *w, const int *a
                         mma_bf16(acc[h], a, s2 ? xv[u][h].z : xv[u][h].x, s2 ? xv[u][h].w : xv[u][h].y);
                 }
         }
-        float *o = out + ((size_t)b * 256 + threadIdx.x) * 8;
+        float *o = out + ((size_t)(b % (NACT * 8)) * 256 + threadIdx.x) * 8;
 #pragma unroll
         for (int i = 0; i < 8; i++) o[i] = acc[i / 4][i % 4];
     }
@@ -140,9 +145,10 @@ __global__ void interleave(const uint8_t *src, uint8_t *dst, size_t n16) {
     }
 }
 
-template <int IL, int HALVES, int U>
-static double run_mma(const uint8_t *w, const std::vector<int *> &sets, const bf16 *x, float *out, int occ, int nsm) {
-    auto k = mma_kernel<IL, HALVES, U>;
+template <int IL, int HALVES, int U, int occ>
+static double run_mma(const uint8_t *w, const std::vector<int *> &sets, const bf16 *x, float *out, int nsm,
+                      size_t ld = H * 2, int nitems = NACT * 8, bool one_shot = false) {
+    auto k = mma_kernel<IL, HALVES, U, occ>;
     int fit = 0;
     CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, k, 256, 0));
     if (fit < occ) return 0.0;
@@ -152,7 +158,7 @@ static double run_mma(const uint8_t *w, const std::vector<int *> &sets, const bf
     std::vector<float> ms;
     for (int rep = 0; rep < 16; rep++) {
         CUDA_CHECK(cudaEventRecord(e0));
-        k<<<std::min(NACT * 8, occ * nsm), 256>>>(w, sets[rep % sets.size()], x, out);
+        k<<<one_shot ? nitems : std::min(nitems, occ * nsm), 256>>>(w, sets[rep % sets.size()], x, out, ld, nitems);
         LAUNCH_CHECK();
         CUDA_CHECK(cudaEventRecord(e1));
         CUDA_CHECK(cudaEventSynchronize(e1));
@@ -163,7 +169,7 @@ static double run_mma(const uint8_t *w, const std::vector<int *> &sets, const bf
     std::sort(ms.begin(), ms.end());
     CUDA_CHECK(cudaEventDestroy(e0));
     CUDA_CHECK(cudaEventDestroy(e1));
-    return (double)NACT * EXPERT_BYTES / (ms[ms.size() / 2] * 1e-3) / 1e12;
+    return (double)nitems * (EXPERT_BYTES / 8) / (ms[ms.size() / 2] * 1e-3) / 1e12;
 }
 
 template <int HALVES>
@@ -171,24 +177,28 @@ static void mma_row(const uint8_t *w, const uint8_t *wil, const std::vector<int 
                     int nsm, int *fails) {
     const size_t n = (size_t)NACT * 8 * 256 * 8;
     std::vector<float> a(n), b(n);
-    mma_kernel<0, HALVES, 4><<<NACT * 8, 256>>>(w, sets[0], x, out);
+    mma_kernel<0, HALVES, 4><<<NACT * 8, 256>>>(w, sets[0], x, out, H * 2, NACT * 8);
     LAUNCH_CHECK();
     CUDA_CHECK(cudaMemcpy(a.data(), out, n * 4, cudaMemcpyDeviceToHost));
-    mma_kernel<1, HALVES, 4><<<NACT * 8, 256>>>(wil, sets[0], x, out);
+    mma_kernel<1, HALVES, 4><<<NACT * 8, 256>>>(wil, sets[0], x, out, H * 2, NACT * 8);
     LAUNCH_CHECK();
     CUDA_CHECK(cudaMemcpy(b.data(), out, n * 4, cudaMemcpyDeviceToHost));
     const int same = !memcmp(a.data(), b.data(), n * 4);
     if (!same) ++*fails;
     for (int il = 0; il < 2; il++) {
         printf("  mma %s %2d tok", il ? "interleaved" : "row-major  ", HALVES == 2 ? 16 : 2);
-        for (int occ : {2, 3, 4}) {
-            const uint8_t *src = il ? wil : w;
-            printf("  %d/SM: U2 %.2f U4 %.2f U8 %.2f", occ,
-                   il ? run_mma<1, HALVES, 2>(src, sets, x, out, occ, nsm) : run_mma<0, HALVES, 2>(src, sets, x, out, occ, nsm),
-                   il ? run_mma<1, HALVES, 4>(src, sets, x, out, occ, nsm) : run_mma<0, HALVES, 4>(src, sets, x, out, occ, nsm),
-                   il ? run_mma<1, HALVES, 8>(src, sets, x, out, occ, nsm) : run_mma<0, HALVES, 8>(src, sets, x, out, occ, nsm));
+        const uint8_t *src = il ? wil : w;
+        auto occ_row = [&](auto occ) {
+            constexpr int O = decltype(occ)::value;
+            printf("  %d/SM: U2 %.2f U4 %.2f U8 %.2f", O,
+                   il ? run_mma<1, HALVES, 2, O>(src, sets, x, out, nsm) : run_mma<0, HALVES, 2, O>(src, sets, x, out, nsm),
+                   il ? run_mma<1, HALVES, 4, O>(src, sets, x, out, nsm) : run_mma<0, HALVES, 4, O>(src, sets, x, out, nsm),
+                   il ? run_mma<1, HALVES, 8, O>(src, sets, x, out, nsm) : run_mma<0, HALVES, 8, O>(src, sets, x, out, nsm));
             fflush(stdout);
-        }
+        };
+        occ_row(std::integral_constant<int, 2>());
+        occ_row(std::integral_constant<int, 3>());
+        occ_row(std::integral_constant<int, 4>());
         printf("%s\n", il ? (same ? "  (sums bit-equal to row-major's)" : "  SUMS DIFFER from row-major's") : "");
     }
 }
@@ -277,8 +287,19 @@ int main(void) {
     int fails = 0;
     mma_row<1>(w, wil, sets, x, out, nsm, &fails);
     mma_row<2>(w, wil, sets, x, out, nsm, &fails);
+    /* The grid's shape: the model launches a block an item (824 at 16 tokens: 99 experts' 8 and the shared expert's
+     * 32, 3.12 waves at 2 an SM), the rows above a persistent grid of 792 items (3 waves exactly). Row-major, the
+     * model's U. (Rows padded to 4096 + 64 .. 512 bytes were measured too, 2026-12-04: no change, so the 4 KB stride
+     * between a warp's rows is not what costs.) */
+    for (int items : {NACT * 8, NACT * 8 + 32})
+        for (int one_shot = 0; one_shot < 2; one_shot++)
+            printf("  mma row-major, %d items, %s: 2 tok 2/SM U8 %.2f 3/SM U4 %.2f; 16 tok 2/SM U4 %.2f 3/SM U2 %.2f\n",
+                   items, one_shot ? "a block an item " : "persistent grid",
+                   run_mma<0, 1, 8, 2>(w, sets, x, out, nsm, H * 2, items, one_shot),
+                   run_mma<0, 1, 4, 3>(w, sets, x, out, nsm, H * 2, items, one_shot),
+                   run_mma<0, 2, 4, 2>(w, sets, x, out, nsm, H * 2, items, one_shot),
+                   run_mma<0, 2, 2, 3>(w, sets, x, out, nsm, H * 2, items, one_shot));
     CUDA_CHECK(cudaFree(out));
-    CUDA_CHECK(cudaFree(wil));
     for (int *d : sets) CUDA_CHECK(cudaFree(d));
     CUDA_CHECK(cudaFree(w));
     CUDA_CHECK(cudaFree(x));
