@@ -85,10 +85,11 @@ dev/bulk_lab: dev/bulk_lab.cu dev/lab_graph.h laguna.cu laguna.h
 dev/expert_lab: dev/expert_lab.cu dev/lab_graph.h laguna.cu laguna.h
 	$(NVCC) $(NVCCFLAGS) dev/expert_lab.cu -o $@ -lcublas
 
-# what a dependent load (DRAM or L2) costs while a stream keeps N bytes in flight (dev/gpu_notes.md)
+# the experts' bytes read in several access shapes, and the few-token mma on row-major / interleaved rows
 dev/access_lab: dev/access_lab.cu laguna.cu laguna.h
 	$(NVCC) $(NVCCFLAGS) dev/access_lab.cu -o $@ -lcublas
 
+# what a dependent load (DRAM or L2) costs while a stream keeps N bytes in flight (dev/gpu_notes.md)
 dev/latency_lab: dev/latency_lab.cu laguna.cu laguna.h
 	$(NVCC) $(NVCCFLAGS) dev/latency_lab.cu -o $@ -lcublas
 

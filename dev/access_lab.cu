@@ -25,7 +25,6 @@
 #include "../laguna.cu"
 
 #include <algorithm>
-#include <type_traits>
 #include <vector>
 
 static const int E = 256, I = 512, H = 2048, NACT = 99;        /* XS-2.1's experts; 99 active at 16 tokens */
@@ -145,20 +144,15 @@ __global__ void interleave(const uint8_t *src, uint8_t *dst, size_t n16) {
     }
 }
 
-template <int IL, int HALVES, int U, int occ>
-static double run_mma(const uint8_t *w, const std::vector<int *> &sets, const bf16 *x, float *out, int nsm,
-                      size_t ld = H * 2, int nitems = NACT * 8, bool one_shot = false) {
-    auto k = mma_kernel<IL, HALVES, U, occ>;
-    int fit = 0;
-    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, k, 256, 0));
-    if (fit < occ) return 0.0;
+/* TB/s of `bytes` read by launch(rep) (rep 0..15, each a launch; the first a warm-up): the median of 15 */
+template <typename F> static double median_tbps(double bytes, F launch) {
     cudaEvent_t e0, e1;
     CUDA_CHECK(cudaEventCreate(&e0));
     CUDA_CHECK(cudaEventCreate(&e1));
     std::vector<float> ms;
     for (int rep = 0; rep < 16; rep++) {
         CUDA_CHECK(cudaEventRecord(e0));
-        k<<<one_shot ? nitems : std::min(nitems, occ * nsm), 256>>>(w, sets[rep % sets.size()], x, out, ld, nitems);
+        launch(rep);
         LAUNCH_CHECK();
         CUDA_CHECK(cudaEventRecord(e1));
         CUDA_CHECK(cudaEventSynchronize(e1));
@@ -169,7 +163,19 @@ static double run_mma(const uint8_t *w, const std::vector<int *> &sets, const bf
     std::sort(ms.begin(), ms.end());
     CUDA_CHECK(cudaEventDestroy(e0));
     CUDA_CHECK(cudaEventDestroy(e1));
-    return (double)nitems * (EXPERT_BYTES / 8) / (ms[ms.size() / 2] * 1e-3) / 1e12;
+    return bytes / (ms[ms.size() / 2] * 1e-3) / 1e12;
+}
+
+template <int IL, int HALVES, int U, int occ>
+static double run_mma(const uint8_t *w, const std::vector<int *> &sets, const bf16 *x, float *out, int nsm,
+                      size_t ld = H * 2, int nitems = NACT * 8, bool one_shot = false) {
+    auto k = mma_kernel<IL, HALVES, U, occ>;
+    int fit = 0;
+    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, k, 256, 0));
+    if (fit < occ) return 0.0;                                  /* printed as 0.00: does not fit */
+    return median_tbps((double)nitems * (EXPERT_BYTES / 8), [&](int rep) {
+        k<<<one_shot ? nitems : std::min(nitems, occ * nsm), 256>>>(w, sets[rep % sets.size()], x, out, ld, nitems);
+    });
 }
 
 template <int HALVES>
@@ -196,9 +202,9 @@ static void mma_row(const uint8_t *w, const uint8_t *wil, const std::vector<int 
                    il ? run_mma<1, HALVES, 8, O>(src, sets, x, out, nsm) : run_mma<0, HALVES, 8, O>(src, sets, x, out, nsm));
             fflush(stdout);
         };
-        occ_row(std::integral_constant<int, 2>());
-        occ_row(std::integral_constant<int, 3>());
-        occ_row(std::integral_constant<int, 4>());
+        occ_row(IntC<2>());
+        occ_row(IntC<3>());
+        occ_row(IntC<4>());
         printf("%s\n", il ? (same ? "  (sums bit-equal to row-major's)" : "  SUMS DIFFER from row-major's") : "");
     }
 }
@@ -209,24 +215,9 @@ static double run(const uint8_t *w, const std::vector<int *> &sets, const bf16 *
     int fit = 0;
     CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, k, 256, 0));
     if (fit < occ) return 0.0;                                  /* printed as 0.00: does not fit */
-    cudaEvent_t e0, e1;
-    CUDA_CHECK(cudaEventCreate(&e0));
-    CUDA_CHECK(cudaEventCreate(&e1));
-    std::vector<float> ms;
-    for (int rep = 0; rep < 16; rep++) {
-        CUDA_CHECK(cudaEventRecord(e0));
+    return median_tbps((double)NACT * EXPERT_BYTES, [&](int rep) {
         k<<<std::min(NACT * 8, occ * nsm), 256>>>(w, sets[rep % sets.size()], x, sink);
-        LAUNCH_CHECK();
-        CUDA_CHECK(cudaEventRecord(e1));
-        CUDA_CHECK(cudaEventSynchronize(e1));
-        float t;
-        CUDA_CHECK(cudaEventElapsedTime(&t, e0, e1));
-        if (rep) ms.push_back(t);                               /* the first: warm-up */
-    }
-    std::sort(ms.begin(), ms.end());
-    CUDA_CHECK(cudaEventDestroy(e0));
-    CUDA_CHECK(cudaEventDestroy(e1));
-    return (double)NACT * EXPERT_BYTES / (ms[ms.size() / 2] * 1e-3) / 1e12;
+    });
 }
 
 template <int P>
