@@ -2698,6 +2698,69 @@ __device__ __forceinline__ void few_rows(float (&acc)[2][4], WPtr w0, WPtr w1, c
     }
 }
 
+/* few_rows for bf16 rows, the weights brought through shared memory: the warp's own ring of ST stages, each its 16
+ * rows' next KC columns, copied by cp.async with consecutive lanes on consecutive 16 bytes of one row (KC 256: an
+ * instruction is 512 contiguous bytes of a row; 128: 256 bytes of 2 rows), where few_rows' loads from global memory
+ * are 8 rows x 64 bytes an instruction (dev/access_lab: that shape streams ~10% below contiguous rows). Each lane then
+ * reads from the ring exactly the 16 bytes few_rows would have loaded (rows g and g + 8 at 8 t of each 32-k chunk),
+ * so the products and their order, and the sums, are few_rows' bit for bit. Rows: r < 8 is row min(lo0 + r, lo_last)
+ * of mat (ld values a row), r >= 8 row min(hi0 + r - 8, hi_last). The ring's 16-byte units are swizzled (unit u of
+ * row r at u ^ 4 (r & 1)) so that the lanes' reads are free of bank conflicts. K % KC == 0 (the caller checks). */
+template <int HALVES, int KC, int ST>
+__device__ __forceinline__ void few_rows_staged(float (&acc)[2][4], const bf16 *mat, size_t ld, int lo0, int lo_last,
+                                                int hi0, int hi_last, const bf16 *x0, const bf16 *x1, int K, int lane,
+                                                bf16 *ring) {
+    static_assert(KC % 64 == 0 && KC <= 256 && ST >= 2, "a stage is 64..256 columns, two stages at least");
+    constexpr int UPR = KC / 8, RPI = 32 / UPR, CPL = 16 / RPI;   /* units a row; rows an instruction; copies a lane */
+    const int g = lane >> 2, t = lane & 3, ul = lane % UPR, nst = K / KC;
+    int row[CPL];                                              /* the rows of this lane's copies */
+#pragma unroll
+    for (int i = 0; i < CPL; i++) {
+        const int r = i * RPI + lane / UPR;
+        row[i] = r < 8 ? min(lo0 + r, lo_last) : min(hi0 + r - 8, hi_last);
+    }
+    auto issue = [&](int st) {                                 /* stage st into its slot (an empty group past the end) */
+        if (st < nst) {
+            bf16 *buf = ring + (st % ST) * 16 * KC;
+            const int k0 = st * KC;
+#pragma unroll
+            for (int i = 0; i < CPL; i++) {
+                const int r = i * RPI + lane / UPR;
+                cp_async16(buf + r * KC + ((ul ^ ((r & 1) << 2)) * 8), mat + (size_t)row[i] * ld + k0 + ul * 8, true);
+            }
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    };
+#pragma unroll
+    for (int s = 0; s < ST - 1; s++) issue(s);
+    for (int st = 0; st < nst; st++) {
+        issue(st + ST - 1);
+        asm volatile("cp.async.wait_group %0;" ::"n"(ST - 1) : "memory");   /* this lane's copies of stage st */
+        __syncwarp();                                          /* and every lane's */
+        const bf16 *buf = ring + (st % ST) * 16 * KC;
+#pragma unroll
+        for (int cc = 0; cc < KC / 32; cc++) {
+            const int k = st * KC + cc * 32 + 8 * t, u = cc * 4 + t;
+            const uint4 wa = *(const uint4 *)(buf + g * KC + ((u ^ ((g & 1) << 2)) * 8));
+            const uint4 wb = *(const uint4 *)(buf + (g + 8) * KC + ((u ^ ((g & 1) << 2)) * 8));
+            uint4 xv[2];
+            xv[0] = few_x8(x0 + k);
+            if (HALVES == 2) xv[1] = few_x8(x1 + k);
+#pragma unroll
+            for (int s = 0; s < 2; s++) {
+                const uint32_t a[4] = {s ? wa.z : wa.x, s ? wb.z : wb.x, s ? wa.w : wa.y, s ? wb.w : wb.y};
+#pragma unroll
+                for (int h = 0; h < HALVES; h++)
+                    mma_bf16(acc[h], a, s ? xv[h].z : xv[h].x, s ? xv[h].w : xv[h].y);
+            }
+        }
+        __syncwarp();                                          /* the slot is refilled by the next issue */
+    }
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+}
+/* the dynamic shared memory of a few-token expert kernel staged at KC columns in ST stages (8 warps) */
+constexpr size_t few_ring_bytes(int KC, int ST) { return KC ? (size_t)8 * ST * 16 * KC * sizeof(bf16) : 0; }
+
 /* y[t, r] = beta * y[t, r] + W[r, :] . x[t, :] for n <= 16 tokens (x rows of `in` values, bf16 or f32). A block: 8
  * warps on 8 / KS tiles of 16 rows, KS warps splitting a tile's chunks (then summed through shared memory, in warp
  * order), so small matrices (o_proj: 128 tiles, the router: 16) still spread over the GPU. Measured at 16 tokens
@@ -2742,8 +2805,9 @@ __global__ void __launch_bounds__(256, MINB) gemm_few(float *y, int ldy, WPtr w,
  * their gate rows (g) and up rows (g + 8), so lane (g, t) ends with gate and up of unit j0 + g for its tokens and
  * applies the SwiGLU itself. A block: 64 units of one expert. An expert has at most n <= 16 pairs (a token picks an
  * expert once). */
-template <typename W, int MINB, int U, int U2, bool WF>   /* MINB: blocks an SM the registers must allow; U / U2:
-                               chunks in flight for experts of <= 8 / > 8 tokens; WF: few_rows' (see few_moe_pick) */
+template <typename W, int MINB, int U, int U2, bool WF, int KC = 0, int ST = 2>   /* MINB: blocks an SM the
+           registers must allow; U / U2: chunks in flight for experts of <= 8 / > 8 tokens; WF: few_rows'; KC > 0 (bf16):
+           the weights through shared memory, few_rows_staged's KC and ST (see few_moe_pick) */
 __global__ void __launch_bounds__(256, MINB) moe_gate_up_few(WPtr experts_gu, int I, WPtr always_gu, int S, int H,
                                                       const bf16 *x, int n, const int *start, const int *pair_tok,
                                                       const int *active, const int *n_active, int max_active,
@@ -2778,7 +2842,18 @@ __global__ void __launch_bounds__(256, MINB) moe_gate_up_few(WPtr experts_gu, in
     const bf16 *x0 = x + (size_t)(toks ? toks[s0] : s0) * H, *x1 = x + (size_t)(toks ? toks[s1] : s1) * H;
     float acc[2][4] = {};
     const WPtr wg = wrow<W>(base, row0 + j, H), wu = wrow<W>(base, row0 + hid + j, H);
-    if (cnt > 8) few_rows<W, bf16, 2, U2, WF>(acc, wg, wu, x0, x1, H, 0, 1, lane);
+    if constexpr (KC > 0 && std::is_same<W, bf16>::value) {
+        extern __shared__ __align__(16) bf16 few_ring[];
+        bf16 *ring = few_ring + (size_t)warp * ST * 16 * KC;
+        const bf16 *m = (const bf16 *)base.v;
+        const int lo0 = (int)row0 + j0, lo_last = (int)row0 + hid - 1;
+        if (H % KC == 0 && cnt > 8)
+            few_rows_staged<2, KC, ST>(acc, m, H, lo0, lo_last, lo0 + hid, lo_last + hid, x0, x1, H, lane, ring);
+        else if (H % KC == 0)
+            few_rows_staged<1, KC, ST>(acc, m, H, lo0, lo_last, lo0 + hid, lo_last + hid, x0, x1, H, lane, ring);
+        else if (cnt > 8) few_rows<W, bf16, 2, U2, WF>(acc, wg, wu, x0, x1, H, 0, 1, lane);
+        else few_rows<W, bf16, 1, U, WF>(acc, wg, wu, x0, x1, H, 0, 1, lane);
+    } else if (cnt > 8) few_rows<W, bf16, 2, U2, WF>(acc, wg, wu, x0, x1, H, 0, 1, lane);
     else few_rows<W, bf16, 1, U, WF>(acc, wg, wu, x0, x1, H, 0, 1, lane);
     if (j0 + g >= hid) return;
 #pragma unroll
@@ -2792,7 +2867,7 @@ __global__ void __launch_bounds__(256, MINB) moe_gate_up_few(WPtr experts_gu, in
 
 /* the experts' down projections for a few tokens (W as in moe_gate_up_few): y_pair[first + i] = down_e . act[first +
  * i] for each pair, ys[t] = always_down . act_s[t]. A warp owns 16 rows of H, a block 128 rows of one expert. */
-template <typename W, int MINB, int U, int U2, bool WF>   /* as moe_gate_up_few's */
+template <typename W, int MINB, int U, int U2, bool WF, int KC = 0, int ST = 2>   /* as moe_gate_up_few's */
 __global__ void __launch_bounds__(256, MINB) moe_down_few(WPtr experts_down, int I, WPtr always_down, int S, int H, int n,
                                                    const int *start, const int *active, const int *n_active,
                                                    int max_active, const bf16 *act, const bf16 *act_s, float *y_pair,
@@ -2826,7 +2901,23 @@ __global__ void __launch_bounds__(256, MINB) moe_down_few(WPtr experts_down, int
     const int s0 = min(g, cnt - 1), s1 = min(g + 8, cnt - 1);
     const WPtr w0 = wrow<W>(base, row0 + min(r0 + g, H - 1), hid), w1 = wrow<W>(base, row0 + min(r0 + g + 8, H - 1), hid);
     float acc[2][4] = {};
-    if (cnt > 8)
+    bool done = false;
+    if constexpr (KC > 0 && std::is_same<W, bf16>::value) {
+        extern __shared__ __align__(16) bf16 few_ring[];
+        if (hid % KC == 0) {
+            bf16 *ring = few_ring + (size_t)warp * ST * 16 * KC;
+            const bf16 *m = (const bf16 *)base.v;
+            const int lo0 = (int)row0 + r0, last = (int)row0 + H - 1;
+            if (cnt > 8)
+                few_rows_staged<2, KC, ST>(acc, m, hid, lo0, last, lo0 + 8, last, xin + (size_t)s0 * hid,
+                                           xin + (size_t)s1 * hid, hid, lane, ring);
+            else few_rows_staged<1, KC, ST>(acc, m, hid, lo0, last, lo0 + 8, last, xin + (size_t)s0 * hid, xin, hid,
+                                            lane, ring);
+            done = true;
+        }
+    }
+    if (done) {
+    } else if (cnt > 8)
         few_rows<W, bf16, 2, U2, WF>(acc, w0, w1, xin + (size_t)s0 * hid, xin + (size_t)s1 * hid, hid, 0, 1, lane);
     else few_rows<W, bf16, 1, U, WF>(acc, w0, w1, xin + (size_t)s0 * hid, xin, hid, 0, 1, lane);
 #pragma unroll
@@ -4332,6 +4423,16 @@ static void launch(GpuModel *g, void (*kernel)(P...), dim3 grid, dim3 block, siz
 }
 
 /* gemm_few over out / 16 tiles: the fewest warps a tile (KS) that still give every SM two blocks */
+/* a kernel's dynamic shared memory above the default 48 KB, allowed once (kept apart per kernel: never under a graph's
+ * capture, whose key always runs plain first) */
+static void allow_smem(const void *kernel, size_t bytes) {
+    static const void *done[64];
+    static int nd = 0;
+    if (bytes <= 48 * 1024) return;
+    for (int i = 0; i < nd; i++) if (done[i] == kernel) return;
+    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
+    if (nd < 64) done[nd++] = kernel;
+}
 static void gemm_few_launch(GpuModel *g, float *y, int ldy, int wdt, const void *W, int out, int in, const void *x,
                             int x_bf16, int n, float beta) {
     int tiles = (out + 15) / 16, ks = 1;
@@ -4611,24 +4712,37 @@ static void moe_shared_many(GpuModel *g, GpuLayer *L, int n) {
     gemm(g, g->ys, H, L->down, H, S, g->mlp_act, n, 0.0f, g->wdt);
 }
 
-/* The few-token expert kernels' template arguments (MINB, U, U2, WF) for n tokens of format W, passed to launch as
- * IntC values: chosen by dev/few_lab's sweep (H200, XS-2.1 experts; us for gate/up + down, the outputs bit-equal in
- * every variant since the sums' order does not depend on them). 2026-12-03, WF 0:
- *   bf16, 16 tokens: MINB 1 U 4 (110 registers, 2 blocks an SM) 206.8, MINB 2 U 8/4 203.3, MINB 3 U 4/2 210.7
- *   bf16, 5 tokens: 93.3, 92.2, 80.6 (MINB 1 leaves 1.2 waves of blocks: a tail); 2 tokens: 42.6, 41.3, 42.4
- *   q8 / q4, 16 tokens: MINB 1 U 4 190.3 / 202.6, MINB 4 U 2 163.6 / 169.6 (dequantizing wants more warps)
- * 2026-12-04, WF 1 (the weights' loads before the tokens'), three runs: bf16 16 tokens MINB 4 U 2/2 189.7-191.1
- * against WF 0's best 203.0-204.0 (MINB 2 U 8/4; 219.6-220.1 with WF 1); 5 tokens MINB 3 U 2/2 75.2 against
- * 81.5-81.7 (MINB 3 U 4/2); 2 tokens 41.3-43.6 against 39.3-42.5 (kept); q8 / q4 16 tokens 174.6-175.8 /
- * 183.4-184.9 against 162.0-162.8 / 168.2-170.3 (kept). The 16-token verify (bf16, bench_gpu) 11.23-11.26 -> 10.76-10.79
- * ms at 512 (dev/gpu_notes.md, round 36).
- * The bytes are read once in every variant; what differs is how many an SM has in flight and the last wave's share. */
+/* The few-token expert kernels' template arguments (MINB, U, U2, WF, KC, ST) for n tokens of format W, passed to
+ * launch as IntC values: chosen by dev/few_lab's sweep (H200, XS-2.1 experts; us for gate/up + down, the outputs
+ * bit-equal in every variant since the sums' order does not depend on them).
+ * Weights in registers (KC 0; few_rows), 2026-12-03 / 04: bf16 16 tokens MINB 4 U 2/2 WF 1 189.3 (WF 0's best, MINB 2
+ * U 8/4, 203.2); 5 tokens MINB 3 U 2/2 WF 1 75.3; 2 tokens MINB 2 U 8/4 37.6; q8 / q4 16 tokens MINB 4 U 2/2 WF 0
+ * 162.0 / 169.6 (WF 1 7-8% slower: their loads come with a scale load and the dequantizing).
+ * bf16 weights through shared memory (KC > 0; few_rows_staged: row-contiguous copies), 2026-12-04: 16 tokens KC 128
+ * ST 3 MINB 2 (96 KB a block, 2 an SM) **169.0** (gate/up 109.3 us, 3.95 TB/s; KC 256 ST 2 187.2, KC 64 ST 4 178.3);
+ * 5 tokens KC 128 ST 2 MINB 3 **69.2** (KC 128 ST 3 74.9); 2 tokens KC 128 ST 3 **29.5**. The 16-token verify (bench_gpu,
+ * bf16) 10.77 -> 9.66 ms at 512 (dev/gpu_notes.md, round 37). LAGUNA_FEW_STAGED=0 takes the register path (the
+ * same sums: the test compares the two bit for bit).
+ * The bytes are read once in every variant; what differs is how they are asked for and how many an SM has in flight. */
 template <int V> struct IntC { static constexpr int value = V; };
+static bool few_staged() {
+    static int v = -1;
+    if (v < 0) { const char *e = getenv("LAGUNA_FEW_STAGED"); v = !(e && !strcmp(e, "0")); }
+    return v;
+}
 template <typename W, typename F> static void few_moe_pick(int n, F launch) {
-    if constexpr (is_q<W>) launch(IntC<4>(), IntC<2>(), IntC<2>(), IntC<0>());
-    else if (n > 8) launch(IntC<4>(), IntC<2>(), IntC<2>(), IntC<1>());
-    else if (n > 2) launch(IntC<3>(), IntC<2>(), IntC<2>(), IntC<1>());
-    else launch(IntC<3>(), IntC<4>(), IntC<2>(), IntC<0>());
+    if constexpr (is_q<W>) launch(IntC<4>(), IntC<2>(), IntC<2>(), IntC<0>(), IntC<0>(), IntC<2>());
+    else {
+        if constexpr (std::is_same<W, bf16>::value)
+            if (few_staged()) {
+                if (n > 8 || n <= 2) launch(IntC<2>(), IntC<2>(), IntC<2>(), IntC<0>(), IntC<128>(), IntC<3>());
+                else launch(IntC<3>(), IntC<2>(), IntC<2>(), IntC<0>(), IntC<128>(), IntC<2>());
+                return;
+            }
+        if (n > 8) launch(IntC<4>(), IntC<2>(), IntC<2>(), IntC<1>(), IntC<0>(), IntC<2>());
+        else if (n > 2) launch(IntC<3>(), IntC<2>(), IntC<2>(), IntC<1>(), IntC<0>(), IntC<2>());
+        else launch(IntC<3>(), IntC<4>(), IntC<2>(), IntC<0>(), IntC<0>(), IntC<2>());
+    }
 }
 
 /* the MoE of n > 1 tokens, grouped by expert (W: the experts' format; P: bf16 or f32, the router's and the GEMMs') */
@@ -4670,15 +4784,20 @@ static void moe_many(GpuModel *g, int l, int n) {
         bf16 *act_s = g->act_few + (size_t)n * K * I;
         const WPtr wgu = wmat(DT, L->experts_gate_up, (size_t)E * 2 * I, H), wsgu = wmat(DT, L->gate_up, 2 * (size_t)S, H),
                    wdn = wmat(DT, L->experts_down, (size_t)E * H, I), wsdn = wmat(DT, L->down, H, S);
-        few_moe_pick<W>(n, [&](auto mb, auto u, auto u2, auto wf) {
+        few_moe_pick<W>(n, [&](auto mb, auto u, auto u2, auto wf, auto kc, auto st) {
             constexpr int MB = decltype(mb)::value, U = decltype(u)::value, U2 = decltype(u2)::value;
             constexpr bool WF = decltype(wf)::value;
-            moe_gate_up_few<W, MB, U, U2, WF><<<max_active * ((I + 63) / 64) + (S + 63) / 64, 256, 0, g->stream>>>(
+            constexpr int KC = decltype(kc)::value, ST = decltype(st)::value;
+            const size_t ring = few_ring_bytes(KC, ST);
+            allow_smem((const void *)moe_gate_up_few<W, MB, U, U2, WF, KC, ST>, ring);
+            allow_smem((const void *)moe_down_few<W, MB, U, U2, WF, KC, ST>, ring);
+            moe_gate_up_few<W, MB, U, U2, WF, KC, ST><<<max_active * ((I + 63) / 64) + (S + 63) / 64, 256, ring,
+                                                      g->stream>>>(
                 wgu, I, wsgu, S, H, (const bf16 *)g->act16, n, g->start, g->pair_tok, g->active, g->n_active,
                 max_active, g->act_few, act_s);
             LAUNCH_CHECK();
             prof_mark(g, "experts gate/up");
-            moe_down_few<W, MB, U, U2, WF><<<(max_active + 1) * ((H + 127) / 128), 256, 0, g->stream>>>(
+            moe_down_few<W, MB, U, U2, WF, KC, ST><<<(max_active + 1) * ((H + 127) / 128), 256, ring, g->stream>>>(
                 wdn, I, wsdn, S, H, n, g->start, g->active, g->n_active, max_active, g->act_few, act_s, g->y_pair,
                 g->ys);
             LAUNCH_CHECK();

@@ -229,19 +229,28 @@ static void moe_case(int E, int K, int H, int I, int S, int n, int timed) {
     CUDA_CHECK(cudaMalloc(&d_hp, (size_t)P * I * 4));
     CUDA_CHECK(cudaMalloc(&d_hs, (size_t)n * S * 4));
     bf16 *d_acts = d_act + (size_t)P * I;
-    /* the two kernels at template arguments (MINB, U, U2, WF) given as IntC values; run_few: the ones the model takes */
-    auto gate_up = [&](auto mb, auto u, auto u2, auto wf) {
-        moe_gate_up_few<W, decltype(mb)::value, decltype(u)::value, decltype(u2)::value, (bool)decltype(wf)::value>
-            <<<max_active * ((I + 63) / 64) + (S + 63) / 64, 256>>>(w_egu, I, w_sgu, S, H, d_x, n, d_start, d_tok,
-                                                                   d_active, d_na, max_active, d_act, d_acts);
+    /* the two kernels at template arguments (MINB, U, U2, WF, KC, ST) given as IntC values; run_few: the model's pick */
+    auto gate_up = [&](auto mb, auto u, auto u2, auto wf, auto kc, auto st) {
+        auto k = moe_gate_up_few<W, decltype(mb)::value, decltype(u)::value, decltype(u2)::value,
+                                 (bool)decltype(wf)::value, decltype(kc)::value, decltype(st)::value>;
+        const size_t ring = few_ring_bytes(decltype(kc)::value, decltype(st)::value);
+        allow_smem((const void *)k, ring);
+        k<<<max_active * ((I + 63) / 64) + (S + 63) / 64, 256, ring>>>(w_egu, I, w_sgu, S, H, d_x, n, d_start, d_tok,
+                                                                      d_active, d_na, max_active, d_act, d_acts);
     };
-    auto down = [&](auto mb, auto u, auto u2, auto wf) {
-        moe_down_few<W, decltype(mb)::value, decltype(u)::value, decltype(u2)::value, (bool)decltype(wf)::value>
-            <<<(max_active + 1) * ((H + 127) / 128), 256>>>(w_edn, I, w_sdn, S, H, n, d_start, d_active, d_na,
-                                                            max_active, d_act, d_acts, d_yp, d_ys);
+    auto down = [&](auto mb, auto u, auto u2, auto wf, auto kc, auto st) {
+        auto k = moe_down_few<W, decltype(mb)::value, decltype(u)::value, decltype(u2)::value,
+                              (bool)decltype(wf)::value, decltype(kc)::value, decltype(st)::value>;
+        const size_t ring = few_ring_bytes(decltype(kc)::value, decltype(st)::value);
+        allow_smem((const void *)k, ring);
+        k<<<(max_active + 1) * ((H + 127) / 128), 256, ring>>>(w_edn, I, w_sdn, S, H, n, d_start, d_active, d_na,
+                                                               max_active, d_act, d_acts, d_yp, d_ys);
     };
     auto run_few = [&]() {
-        few_moe_pick<W>(n, [&](auto mb, auto u, auto u2, auto wf) { gate_up(mb, u, u2, wf); down(mb, u, u2, wf); });
+        few_moe_pick<W>(n, [&](auto mb, auto u, auto u2, auto wf, auto kc, auto st) {
+            gate_up(mb, u, u2, wf, kc, st);
+            down(mb, u, u2, wf, kc, st);
+        });
     };
     run_few();
     CUDA_CHECK(cudaDeviceSynchronize());
@@ -309,24 +318,33 @@ static void moe_case(int E, int K, int H, int I, int S, int n, int timed) {
                      b_dn = (double)mdn.bytes.size() * na / E + msdn.bytes.size();
         std::vector<bf16> act_v(act.size());
         std::vector<float> yp_v(yp.size());
-        auto variant = [&](auto mb, auto u, auto u2, auto wf) {
-            const float tg = time_ms([&](int) { gate_up(mb, u, u2, wf); }, 30),
-                        td = time_ms([&](int) { down(mb, u, u2, wf); }, 30);
+        auto variant = [&](auto mb, auto u, auto u2, auto wf, auto kc, auto st) {
+            const float tg = time_ms([&](int) { gate_up(mb, u, u2, wf, kc, st); }, 30),
+                        td = time_ms([&](int) { down(mb, u, u2, wf, kc, st); }, 30);
             CUDA_CHECK(cudaMemcpy(act_v.data(), d_act, act_v.size() * 2, cudaMemcpyDeviceToHost));
             CUDA_CHECK(cudaMemcpy(yp_v.data(), d_yp, yp_v.size() * 4, cudaMemcpyDeviceToHost));
             const int same = !memcmp(act_v.data(), act.data(), act.size() * 2) && !memcmp(yp_v.data(), yp.data(), yp.size() * 4);
             if (!same) fails++;
-            printf("    MINB %d U %d/%d WF %d: gate/up %7.2f us (%5.0f GB/s), down %6.2f us (%5.0f GB/s), sum %7.2f%s\n",
-                   decltype(mb)::value, decltype(u)::value, decltype(u2)::value, decltype(wf)::value, 1e3 * tg,
+            printf("    MINB %d U %d/%d WF %d KC %3d ST %d: gate/up %7.2f us (%5.0f GB/s), down %6.2f us (%5.0f GB/s), "
+                   "sum %7.2f%s\n", decltype(mb)::value, decltype(u)::value, decltype(u2)::value, decltype(wf)::value,
+                   decltype(kc)::value, decltype(st)::value, 1e3 * tg,
                    b_gu / (1e6 * tg), 1e3 * td, b_dn / (1e6 * td), 1e3 * (tg + td), same ? "" : "  OUTPUTS DIFFER");
         };
-        variant(IntC<2>(), IntC<8>(), IntC<4>(), IntC<0>());
-        variant(IntC<3>(), IntC<4>(), IntC<2>(), IntC<0>());
-        variant(IntC<4>(), IntC<2>(), IntC<2>(), IntC<0>());
-        variant(IntC<3>(), IntC<4>(), IntC<2>(), IntC<1>());
-        variant(IntC<3>(), IntC<2>(), IntC<2>(), IntC<1>());
-        variant(IntC<4>(), IntC<2>(), IntC<2>(), IntC<1>());
-        variant(IntC<4>(), IntC<3>(), IntC<2>(), IntC<1>());
+        variant(IntC<2>(), IntC<8>(), IntC<4>(), IntC<0>(), IntC<0>(), IntC<2>());
+        variant(IntC<3>(), IntC<4>(), IntC<2>(), IntC<0>(), IntC<0>(), IntC<2>());
+        variant(IntC<4>(), IntC<2>(), IntC<2>(), IntC<0>(), IntC<0>(), IntC<2>());
+        variant(IntC<3>(), IntC<4>(), IntC<2>(), IntC<1>(), IntC<0>(), IntC<2>());
+        variant(IntC<3>(), IntC<2>(), IntC<2>(), IntC<1>(), IntC<0>(), IntC<2>());
+        variant(IntC<4>(), IntC<2>(), IntC<2>(), IntC<1>(), IntC<0>(), IntC<2>());
+        variant(IntC<4>(), IntC<3>(), IntC<2>(), IntC<1>(), IntC<0>(), IntC<2>());
+        if constexpr (std::is_same<W, bf16>::value) {   /* bf16: the weights through each warp's ring of shared memory (KC, ST) */
+            variant(IntC<2>(), IntC<2>(), IntC<2>(), IntC<0>(), IntC<128>(), IntC<3>());
+            variant(IntC<3>(), IntC<2>(), IntC<2>(), IntC<0>(), IntC<128>(), IntC<2>());
+            variant(IntC<1>(), IntC<2>(), IntC<2>(), IntC<0>(), IntC<256>(), IntC<2>());
+            variant(IntC<3>(), IntC<2>(), IntC<2>(), IntC<0>(), IntC<64>(), IntC<4>());
+            variant(IntC<1>(), IntC<2>(), IntC<2>(), IntC<0>(), IntC<256>(), IntC<3>());
+            variant(IntC<2>(), IntC<2>(), IntC<2>(), IntC<0>(), IntC<64>(), IntC<6>());
+        }
     }
     void *fr[] = {d_egu, d_edn, d_sgu, d_sdn, d_x, d_xf, d_start, d_active, d_tok, d_na, d_act, d_yp, d_ys, d_hp, d_hs};
     for (void *p : fr) CUDA_CHECK(cudaFree(p));

@@ -639,6 +639,16 @@ def test_gpu_few_token_kernels(laguna_gpu, mid_model, exported, tmp_path):
               f"{np.median(rows):.3g}, top-1 agreement {100 * agree:.2f}%; with the CPU's --kv bf16 {100 * a_few:.2f}% "
               f"(cuBLAS path {100 * a_old:.2f}%)")
         assert np.median(rows) <= 0.2 and a_few >= a_old - 0.03
+    # the experts' weights through shared memory (few_rows_staged, the default for bf16) or straight into registers
+    # (LAGUNA_FEW_STAGED=0): the same products summed in the same order, so the same logits bit for bit; chunks of 16
+    # and of 5 (the last one 2 tokens) take all three of few_moe_pick's choices
+    regs = dict(os.environ, LAGUNA_FEW_STAGED="0")
+    for chunk in ("16", "5"):
+        staged, _ = score(laguna_gpu, mid_model, str(ids_file), tmp_path, *common, "--chunk", chunk)
+        plain, _ = score(laguna_gpu, mid_model, str(ids_file), tmp_path, *common, "--chunk", chunk, env=regs)
+        print(f"[gpu] mid-size, chunks of {chunk}: staged experts vs registers, "
+              f"{int((staged != plain).any(1).sum())} of {len(staged)} rows differ")
+        assert np.array_equal(staged, plain)
     few_paths_agree(laguna_gpu, exported("xs21_bf16"), "xs21_bf16", off, tmp_path)
 
 
