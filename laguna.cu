@@ -2698,20 +2698,26 @@ __device__ __forceinline__ void few_rows(float (&acc)[2][4], WPtr w0, WPtr w1, c
     }
 }
 
-/* few_rows for bf16 rows, the weights brought through shared memory: the warp's own ring of ST stages, each its 16
- * rows' next KC columns, copied by cp.async with consecutive lanes on consecutive 16 bytes of one row (KC 256: an
- * instruction is 512 contiguous bytes of a row; 128: 256 bytes of 2 rows), where few_rows' loads from global memory
- * are 8 rows x 64 bytes an instruction (dev/access_lab: that shape streams ~10% below contiguous rows). Each lane then
- * reads from the ring exactly the 16 bytes few_rows would have loaded (rows g and g + 8 at 8 t of each 32-k chunk),
- * so the products and their order, and the sums, are few_rows' bit for bit. Rows: r < 8 is row min(lo0 + r, lo_last)
- * of mat (ld values a row), r >= 8 row min(hi0 + r - 8, hi_last). The ring's 16-byte units are swizzled (unit u of
- * row r at u ^ 4 (r & 1)) so that the lanes' reads are free of bank conflicts. K % KC == 0 (the caller checks). */
-template <int HALVES, int KC, int ST>
-__device__ __forceinline__ void few_rows_staged(float (&acc)[2][4], const bf16 *mat, size_t ld, int lo0, int lo_last,
-                                                int hi0, int hi_last, const bf16 *x0, const bf16 *x1, int K, int lane,
-                                                bf16 *ring) {
-    static_assert(KC % 64 == 0 && KC <= 256 && ST >= 2, "a stage is 64..256 columns, two stages at least");
-    constexpr int UPR = KC / 8, RPI = 32 / UPR, CPL = 16 / RPI;   /* units a row; rows an instruction; copies a lane */
+/* few_rows with the weights brought through shared memory: the warp's own ring of ST stages, each its 16 rows' next KC
+ * columns, copied by cp.async with consecutive lanes on consecutive 16 bytes of one row (bf16 at KC 128: an
+ * instruction is 256 contiguous bytes of 2 rows; q8 / q4, whose rows are 1 / 0.5 bytes a value, the value bytes alike
+ * at twice / four times the columns), where few_rows' loads from global memory are 8 rows x 64 bytes an instruction
+ * (q8 32, q4 16; dev/access_lab: that shape streams ~10% below contiguous rows). Each lane then reads from the ring
+ * exactly the bytes few_rows would have loaded (rows g and g + 8 at 8 t of each 32-k chunk; q8 / q4 with the group's
+ * scale, still from global memory), so the products and their order, and the sums, are few_rows' bit for bit. Rows:
+ * r < 8 is row min(lo0 + r, lo_last) of mat (K values a row), r >= 8 row min(hi0 + r - 8, hi_last); w0 / w1 are the
+ * lane's rows g and g + 8 (their scales). The ring's 16-byte units are swizzled so that the lanes' reads are free of
+ * bank conflicts: unit u of row r at u ^ (r % RPP) * (8 / RPP), RPP the rows one read phase (128 bytes) covers.
+ * K % KC == 0 (the caller checks). */
+template <typename W> __host__ __device__ constexpr int few_chunk_bytes() { return is_q<W> ? 32 * Fmt<W>::GB / LAGUNA_QGROUP : 64; }
+template <typename W, int HALVES, int KC, int ST>
+__device__ __forceinline__ void few_rows_staged(float (&acc)[2][4], WPtr mat, int lo0, int lo_last, int hi0, int hi_last,
+                                                WPtr w0, WPtr w1, const bf16 *x0, const bf16 *x1, int K, int lane,
+                                                unsigned char *ring) {
+    constexpr int CB = few_chunk_bytes<W>(), LB = CB / 4, RB = KC / 32 * CB;   /* bytes a 32-k chunk, a lane, a stage */
+    static_assert(KC % 32 == 0 && RB >= 128 && RB <= 512 && ST >= 2, "a stage is 128..512 bytes a row (the swizzle needs 8 units), two stages at least");
+    constexpr int UPR = RB / 16, RPI = 32 / UPR, CPL = 16 / RPI;  /* units a row; rows an instruction; copies a lane */
+    constexpr int RPP = 128 / CB, SW = 8 / RPP;                    /* rows a read phase; the swizzle's step */
     const int g = lane >> 2, t = lane & 3, ul = lane % UPR, nst = K / KC;
     int row[CPL];                                              /* the rows of this lane's copies */
 #pragma unroll
@@ -2721,15 +2727,28 @@ __device__ __forceinline__ void few_rows_staged(float (&acc)[2][4], const bf16 *
     }
     auto issue = [&](int st) {                                 /* stage st into its slot (an empty group past the end) */
         if (st < nst) {
-            bf16 *buf = ring + (st % ST) * 16 * KC;
-            const int k0 = st * KC;
+            unsigned char *buf = ring + (st % ST) * 16 * RB;
 #pragma unroll
             for (int i = 0; i < CPL; i++) {
                 const int r = i * RPI + lane / UPR;
-                cp_async16(buf + r * KC + ((ul ^ ((r & 1) << 2)) * 8), mat + (size_t)row[i] * ld + k0 + ul * 8, true);
+                cp_async16(buf + r * RB + ((ul ^ (r % RPP) * SW) * 16),
+                           (const unsigned char *)wrow<W>(mat, row[i], K).v + (size_t)st * RB + ul * 16, true);
             }
         }
         asm volatile("cp.async.commit_group;" ::: "memory");
+    };
+    /* a lane's bytes of row r at chunk cc of a stage, as few_rows' load of them (FewW) */
+    auto chunk = [&](const unsigned char *buf, int r, int cc, WPtr w, int k) {
+        const int b = cc * CB + LB * t;                        /* byte in the row's stage */
+        const unsigned char *p = buf + r * RB + (((b >> 4) ^ (r % RPP) * SW) << 4) + (b & 15);
+        typename FewW<W>::T c;
+        if constexpr (!is_q<W>) c = *(const uint4 *)p;
+        else {
+            if constexpr (Fmt<W>::DT == DT_Q8) c.v = *(const uint2 *)p;
+            else c.v = *(const uint32_t *)p;
+            c.s = __ldg(w.s + k / LAGUNA_QGROUP);
+        }
+        return c;
     };
 #pragma unroll
     for (int s = 0; s < ST - 1; s++) issue(s);
@@ -2737,12 +2756,11 @@ __device__ __forceinline__ void few_rows_staged(float (&acc)[2][4], const bf16 *
         issue(st + ST - 1);
         asm volatile("cp.async.wait_group %0;" ::"n"(ST - 1) : "memory");   /* this lane's copies of stage st */
         __syncwarp();                                          /* and every lane's */
-        const bf16 *buf = ring + (st % ST) * 16 * KC;
+        const unsigned char *buf = ring + (st % ST) * 16 * RB;
 #pragma unroll
         for (int cc = 0; cc < KC / 32; cc++) {
-            const int k = st * KC + cc * 32 + 8 * t, u = cc * 4 + t;
-            const uint4 wa = *(const uint4 *)(buf + g * KC + ((u ^ ((g & 1) << 2)) * 8));
-            const uint4 wb = *(const uint4 *)(buf + (g + 8) * KC + ((u ^ ((g & 1) << 2)) * 8));
+            const int k = st * KC + cc * 32 + 8 * t;
+            const uint4 wa = few_w8<W>(chunk(buf, g, cc, w0, k)), wb = few_w8<W>(chunk(buf, g + 8, cc, w1, k));
             uint4 xv[2];
             xv[0] = few_x8(x0 + k);
             if (HALVES == 2) xv[1] = few_x8(x1 + k);
@@ -2758,8 +2776,12 @@ __device__ __forceinline__ void few_rows_staged(float (&acc)[2][4], const bf16 *
     }
     asm volatile("cp.async.wait_group 0;" ::: "memory");
 }
-/* the dynamic shared memory of a few-token expert kernel staged at KC columns in ST stages (8 warps) */
-constexpr size_t few_ring_bytes(int KC, int ST) { return KC ? (size_t)8 * ST * 16 * KC * sizeof(bf16) : 0; }
+/* the dynamic shared memory of a few-token expert kernel of format W staged at KC columns in ST stages (8 warps) */
+template <typename W> __host__ __device__ constexpr size_t few_ring_bytes(int KC, int ST) {
+    return KC ? (size_t)8 * ST * 16 * (KC / 32) * few_chunk_bytes<W>() : 0;
+}
+/* does format W take the staged path (bf16, q8, q4: not f32 rows) */
+template <typename W> constexpr bool few_stages = std::is_same<W, bf16>::value || is_q<W>;
 
 /* y[t, r] = beta * y[t, r] + W[r, :] . x[t, :] for n <= 16 tokens (x rows of `in` values, bf16 or f32). A block: 8
  * warps on 8 / KS tiles of 16 rows, KS warps splitting a tile's chunks (then summed through shared memory, in warp
@@ -2842,17 +2864,20 @@ __global__ void __launch_bounds__(256, MINB) moe_gate_up_few(WPtr experts_gu, in
     const bf16 *x0 = x + (size_t)(toks ? toks[s0] : s0) * H, *x1 = x + (size_t)(toks ? toks[s1] : s1) * H;
     float acc[2][4] = {};
     const WPtr wg = wrow<W>(base, row0 + j, H), wu = wrow<W>(base, row0 + hid + j, H);
-    if constexpr (KC > 0 && std::is_same<W, bf16>::value) {
-        extern __shared__ __align__(16) bf16 few_ring[];
-        bf16 *ring = few_ring + (size_t)warp * ST * 16 * KC;
-        const bf16 *m = (const bf16 *)base.v;
-        const int lo0 = (int)row0 + j0, lo_last = (int)row0 + hid - 1;
-        if (H % KC == 0 && cnt > 8)
-            few_rows_staged<2, KC, ST>(acc, m, H, lo0, lo_last, lo0 + hid, lo_last + hid, x0, x1, H, lane, ring);
-        else if (H % KC == 0)
-            few_rows_staged<1, KC, ST>(acc, m, H, lo0, lo_last, lo0 + hid, lo_last + hid, x0, x1, H, lane, ring);
-        else if (cnt > 8) few_rows<W, bf16, 2, U2, WF>(acc, wg, wu, x0, x1, H, 0, 1, lane);
-        else few_rows<W, bf16, 1, U, WF>(acc, wg, wu, x0, x1, H, 0, 1, lane);
+    bool done = false;
+    if constexpr (KC > 0 && few_stages<W>)
+        if (H % KC == 0) {
+            extern __shared__ __align__(16) unsigned char few_ring[];
+            unsigned char *ring = few_ring + warp * few_ring_bytes<W>(KC, ST) / 8;
+            const int lo0 = (int)row0 + j0, lo_last = (int)row0 + hid - 1;
+            if (cnt > 8)
+                few_rows_staged<W, 2, KC, ST>(acc, base, lo0, lo_last, lo0 + hid, lo_last + hid, wg, wu, x0, x1, H,
+                                              lane, ring);
+            else few_rows_staged<W, 1, KC, ST>(acc, base, lo0, lo_last, lo0 + hid, lo_last + hid, wg, wu, x0, x1, H,
+                                               lane, ring);
+            done = true;
+        }
+    if (done) {
     } else if (cnt > 8) few_rows<W, bf16, 2, U2, WF>(acc, wg, wu, x0, x1, H, 0, 1, lane);
     else few_rows<W, bf16, 1, U, WF>(acc, wg, wu, x0, x1, H, 0, 1, lane);
     if (j0 + g >= hid) return;
@@ -2902,20 +2927,18 @@ __global__ void __launch_bounds__(256, MINB) moe_down_few(WPtr experts_down, int
     const WPtr w0 = wrow<W>(base, row0 + min(r0 + g, H - 1), hid), w1 = wrow<W>(base, row0 + min(r0 + g + 8, H - 1), hid);
     float acc[2][4] = {};
     bool done = false;
-    if constexpr (KC > 0 && std::is_same<W, bf16>::value) {
-        extern __shared__ __align__(16) bf16 few_ring[];
+    if constexpr (KC > 0 && few_stages<W>)
         if (hid % KC == 0) {
-            bf16 *ring = few_ring + (size_t)warp * ST * 16 * KC;
-            const bf16 *m = (const bf16 *)base.v;
+            extern __shared__ __align__(16) unsigned char few_ring[];
+            unsigned char *ring = few_ring + warp * few_ring_bytes<W>(KC, ST) / 8;
             const int lo0 = (int)row0 + r0, last = (int)row0 + H - 1;
             if (cnt > 8)
-                few_rows_staged<2, KC, ST>(acc, m, hid, lo0, last, lo0 + 8, last, xin + (size_t)s0 * hid,
-                                           xin + (size_t)s1 * hid, hid, lane, ring);
-            else few_rows_staged<1, KC, ST>(acc, m, hid, lo0, last, lo0 + 8, last, xin + (size_t)s0 * hid, xin, hid,
-                                            lane, ring);
+                few_rows_staged<W, 2, KC, ST>(acc, base, lo0, last, lo0 + 8, last, w0, w1, xin + (size_t)s0 * hid,
+                                              xin + (size_t)s1 * hid, hid, lane, ring);
+            else few_rows_staged<W, 1, KC, ST>(acc, base, lo0, last, lo0 + 8, last, w0, w1, xin + (size_t)s0 * hid,
+                                               xin, hid, lane, ring);
             done = true;
         }
-    }
     if (done) {
     } else if (cnt > 8)
         few_rows<W, bf16, 2, U2, WF>(acc, w0, w1, xin + (size_t)s0 * hid, xin + (size_t)s1 * hid, hid, 0, 1, lane);
@@ -4721,8 +4744,11 @@ static void moe_shared_many(GpuModel *g, GpuLayer *L, int n) {
  * bf16 weights through shared memory (KC > 0; few_rows_staged: row-contiguous copies), 2026-12-04: 16 tokens KC 128
  * ST 3 MINB 2 (96 KB a block, 2 an SM) **169.0** (gate/up 109.3 us, 3.95 TB/s; KC 256 ST 2 187.2, KC 64 ST 4 178.3);
  * 5 tokens KC 128 ST 2 MINB 3 **69.2** (KC 128 ST 3 74.9); 2 tokens KC 128 ST 3 **29.5**. The 16-token verify (bench_gpu,
- * bf16) 10.77 -> 9.66 ms at 512 (dev/gpu_notes.md, round 37). LAGUNA_FEW_STAGED=0 takes the register path (the
- * same sums: the test compares the two bit for bit).
+ * bf16) 10.77 -> 9.66 ms at 512. q8 / q4 value bytes through it, 16 tokens: KC 256 ST 3 MINB 2 **144.1 / 152.6**
+ * against the registers' 162.2 / 170.1 (q8 KC 128 ST 2 MINB 4 143.5; q4 rows of 64 bytes a stage are too short for
+ * the swizzle), verify 10.41 -> 9.16 / 10.55 -> 9.58 ms; n <= 8 was not measured for them and keeps the registers
+ * (dev/gpu_notes.md, round 37). LAGUNA_FEW_STAGED=0 takes the register path everywhere (the same sums: the tests
+ * compare the two bit for bit).
  * The bytes are read once in every variant; what differs is how they are asked for and how many an SM has in flight. */
 template <int V> struct IntC { static constexpr int value = V; };
 static bool few_staged() {
@@ -4731,8 +4757,10 @@ static bool few_staged() {
     return v;
 }
 template <typename W, typename F> static void few_moe_pick(int n, F launch) {
-    if constexpr (is_q<W>) launch(IntC<4>(), IntC<2>(), IntC<2>(), IntC<0>(), IntC<0>(), IntC<2>());
-    else {
+    if constexpr (is_q<W>) {
+        if (n > 8 && few_staged()) launch(IntC<2>(), IntC<2>(), IntC<2>(), IntC<0>(), IntC<256>(), IntC<3>());
+        else launch(IntC<4>(), IntC<2>(), IntC<2>(), IntC<0>(), IntC<0>(), IntC<2>());
+    } else {
         if constexpr (std::is_same<W, bf16>::value)
             if (few_staged()) {
                 if (n > 8 || n <= 2) launch(IntC<2>(), IntC<2>(), IntC<2>(), IntC<0>(), IntC<128>(), IntC<3>());
@@ -4788,7 +4816,7 @@ static void moe_many(GpuModel *g, int l, int n) {
             constexpr int MB = decltype(mb)::value, U = decltype(u)::value, U2 = decltype(u2)::value;
             constexpr bool WF = decltype(wf)::value;
             constexpr int KC = decltype(kc)::value, ST = decltype(st)::value;
-            const size_t ring = few_ring_bytes(KC, ST);
+            const size_t ring = few_ring_bytes<W>(KC, ST);
             allow_smem((const void *)moe_gate_up_few<W, MB, U, U2, WF, KC, ST>, ring);
             allow_smem((const void *)moe_down_few<W, MB, U, U2, WF, KC, ST>, ring);
             moe_gate_up_few<W, MB, U, U2, WF, KC, ST><<<max_active * ((I + 63) / 64) + (S + 63) / 64, 256, ring,

@@ -7,9 +7,9 @@
  * XS-2.1 verification's (q/k/v/g 10304 x 2048, o_proj 2048 x 8192, the router 256 x 2048, lm_head 100352 x 2048; 16
  * tokens top-8 of 256 experts, I 512, shared 512) and odd small ones (rows not a multiple of 16, K not a multiple
  * of 32, fewer than 8 tokens). Matrices smaller than 256 MB are timed over rotating copies so L2 does not serve
- * them. GB/s = weight bytes / time. Exit code 1 if a check fails. `./dev/few_lab experts` runs the MoE cases alone;
+ * them. GB/s = weight bytes / time. Exit code 1 if a check fails. `./dev/few_lab experts` runs the MoE cases alone (`experts-q`: the q8 / q4 ones);
  * their timed cases also sweep the expert kernels' MINB (blocks an SM their registers allow), U (chunks in flight)
- * and WF (few_rows' load order),
+ * and WF (few_rows' load order), and KC / ST (the weights through a ring of shared memory, few_rows_staged),
  * each variant's outputs bit-equal to those of the variant the model takes (few_moe_pick); `./dev/few_lab gemm-sweep`
  * does the same for gemm_few at the verification's shapes. */
 #include "../laguna.cu"
@@ -233,7 +233,7 @@ static void moe_case(int E, int K, int H, int I, int S, int n, int timed) {
     auto gate_up = [&](auto mb, auto u, auto u2, auto wf, auto kc, auto st) {
         auto k = moe_gate_up_few<W, decltype(mb)::value, decltype(u)::value, decltype(u2)::value,
                                  (bool)decltype(wf)::value, decltype(kc)::value, decltype(st)::value>;
-        const size_t ring = few_ring_bytes(decltype(kc)::value, decltype(st)::value);
+        const size_t ring = few_ring_bytes<W>(decltype(kc)::value, decltype(st)::value);
         allow_smem((const void *)k, ring);
         k<<<max_active * ((I + 63) / 64) + (S + 63) / 64, 256, ring>>>(w_egu, I, w_sgu, S, H, d_x, n, d_start, d_tok,
                                                                       d_active, d_na, max_active, d_act, d_acts);
@@ -241,7 +241,7 @@ static void moe_case(int E, int K, int H, int I, int S, int n, int timed) {
     auto down = [&](auto mb, auto u, auto u2, auto wf, auto kc, auto st) {
         auto k = moe_down_few<W, decltype(mb)::value, decltype(u)::value, decltype(u2)::value,
                               (bool)decltype(wf)::value, decltype(kc)::value, decltype(st)::value>;
-        const size_t ring = few_ring_bytes(decltype(kc)::value, decltype(st)::value);
+        const size_t ring = few_ring_bytes<W>(decltype(kc)::value, decltype(st)::value);
         allow_smem((const void *)k, ring);
         k<<<(max_active + 1) * ((H + 127) / 128), 256, ring>>>(w_edn, I, w_sdn, S, H, n, d_start, d_active, d_na,
                                                                max_active, d_act, d_acts, d_yp, d_ys);
@@ -345,13 +345,24 @@ static void moe_case(int E, int K, int H, int I, int S, int n, int timed) {
             variant(IntC<1>(), IntC<2>(), IntC<2>(), IntC<0>(), IntC<256>(), IntC<3>());
             variant(IntC<2>(), IntC<2>(), IntC<2>(), IntC<0>(), IntC<64>(), IntC<6>());
         }
+        if constexpr (is_q<W>) {          /* q8 / q4: their value bytes through the ring (KC values, ST) */
+            variant(IntC<3>(), IntC<2>(), IntC<2>(), IntC<0>(), IntC<256>(), IntC<2>());
+            variant(IntC<2>(), IntC<2>(), IntC<2>(), IntC<0>(), IntC<256>(), IntC<3>());
+            variant(IntC<4>(), IntC<2>(), IntC<2>(), IntC<0>(), IntC<256>(), IntC<2>());
+            variant(IntC<2>(), IntC<2>(), IntC<2>(), IntC<0>(), IntC<512>(), IntC<2>());
+            if constexpr ((int)Fmt<W>::DT == (int)DT_Q8) {   /* (q4 rows are 64 bytes a stage at KC 128: too few for the swizzle) */
+                variant(IntC<4>(), IntC<2>(), IntC<2>(), IntC<0>(), IntC<128>(), IntC<2>());
+                variant(IntC<3>(), IntC<2>(), IntC<2>(), IntC<0>(), IntC<128>(), IntC<4>());
+            }
+        }
     }
     void *fr[] = {d_egu, d_edn, d_sgu, d_sdn, d_x, d_xf, d_start, d_active, d_tok, d_na, d_act, d_yp, d_ys, d_hp, d_hs};
     for (void *p : fr) CUDA_CHECK(cudaFree(p));
 }
 
 int main(int argc, char **argv) {
-    const int experts_only = argc > 1 && !strcmp(argv[1], "experts");   /* ./dev/few_lab experts: the MoE cases */
+    /* ./dev/few_lab experts: the MoE cases; experts-q: the q8 / q4 ones */
+    const int experts_q = argc > 1 && !strcmp(argv[1], "experts-q"), experts_only = experts_q || (argc > 1 && !strcmp(argv[1], "experts"));
     cudaDeviceProp prop;
     CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
     GpuModel g = lab_few_model(prop);
@@ -392,13 +403,15 @@ int main(int argc, char **argv) {
         gemm_case<Q4>(&g, blas, 100352, 2048, 16, 0, 0.0f, 1);
         for (auto &s : shapes) gemm_case<Q4>(&g, blas, s[0], s[1], s[2], s[2] & 1, s[2] & 1 ? 1.0f : 0.0f, 0);
     }
-    printf("experts:\n");
-    moe_case<bf16>(256, 8, 2048, 512, 512, 16, 1);
-    moe_case<bf16>(256, 8, 2048, 512, 512, 5, 1);
-    moe_case<bf16>(256, 8, 2048, 512, 512, 2, 1);
-    moe_case<bf16>(16, 4, 64, 40, 24, 9, 0);
-    moe_case<bf16>(8, 2, 72, 24, 0, 16, 0);               /* no shared expert */
-    moe_case<bf16>(32, 8, 136, 72, 40, 3, 0);
+    if (!experts_q) {
+        printf("experts:\n");
+        moe_case<bf16>(256, 8, 2048, 512, 512, 16, 1);
+        moe_case<bf16>(256, 8, 2048, 512, 512, 5, 1);
+        moe_case<bf16>(256, 8, 2048, 512, 512, 2, 1);
+        moe_case<bf16>(16, 4, 64, 40, 24, 9, 0);
+        moe_case<bf16>(8, 2, 72, 24, 0, 16, 0);               /* no shared expert */
+        moe_case<bf16>(32, 8, 136, 72, 40, 3, 0);
+    }
     printf("experts, q8 / q4 (dequantized in registers):\n");
     moe_case<Q8>(256, 8, 2048, 512, 512, 16, 1);
     moe_case<Q4>(256, 8, 2048, 512, 512, 16, 1);
