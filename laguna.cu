@@ -2828,8 +2828,8 @@ __global__ void __launch_bounds__(256, MINB) gemm_few(float *y, int ldy, WPtr w,
  * applies the SwiGLU itself. A block: 64 units of one expert. An expert has at most n <= 16 pairs (a token picks an
  * expert once). */
 template <typename W, int MINB, int U, int U2, bool WF, int KC = 0, int ST = 2>   /* MINB: blocks an SM the
-           registers must allow; U / U2: chunks in flight for experts of <= 8 / > 8 tokens; WF: few_rows'; KC > 0 (bf16):
-           the weights through shared memory, few_rows_staged's KC and ST (see few_moe_pick) */
+           registers must allow; U / U2: chunks in flight for experts of <= 8 / > 8 tokens; WF: few_rows'; KC > 0 (bf16,
+           q8, q4): the weights through shared memory, few_rows_staged's KC and ST (see few_moe_pick) */
 __global__ void __launch_bounds__(256, MINB) moe_gate_up_few(WPtr experts_gu, int I, WPtr always_gu, int S, int H,
                                                       const bf16 *x, int n, const int *start, const int *pair_tok,
                                                       const int *active, const int *n_active, int max_active,
@@ -2866,7 +2866,7 @@ __global__ void __launch_bounds__(256, MINB) moe_gate_up_few(WPtr experts_gu, in
     const WPtr wg = wrow<W>(base, row0 + j, H), wu = wrow<W>(base, row0 + hid + j, H);
     bool done = false;
     if constexpr (KC > 0 && few_stages<W>)
-        if (H % KC == 0) {
+        if (H % KC == 0 && ((size_t)base.v & 15) == 0) {   /* (cp.async: 16-byte aligned rows) */
             extern __shared__ __align__(16) unsigned char few_ring[];
             unsigned char *ring = few_ring + warp * few_ring_bytes<W>(KC, ST) / 8;
             const int lo0 = (int)row0 + j0, lo_last = (int)row0 + hid - 1;
@@ -2928,7 +2928,7 @@ __global__ void __launch_bounds__(256, MINB) moe_down_few(WPtr experts_down, int
     float acc[2][4] = {};
     bool done = false;
     if constexpr (KC > 0 && few_stages<W>)
-        if (hid % KC == 0) {
+        if (hid % KC == 0 && ((size_t)base.v & 15) == 0) {   /* (cp.async: 16-byte aligned rows) */
             extern __shared__ __align__(16) unsigned char few_ring[];
             unsigned char *ring = few_ring + warp * few_ring_bytes<W>(KC, ST) / 8;
             const int lo0 = (int)row0 + r0, last = (int)row0 + H - 1;
@@ -4445,7 +4445,6 @@ static void launch(GpuModel *g, void (*kernel)(P...), dim3 grid, dim3 block, siz
     if (g->pdl_now && g->nlaunch++ == g->dup) CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, ((P)args)...));
 }
 
-/* gemm_few over out / 16 tiles: the fewest warps a tile (KS) that still give every SM two blocks */
 /* a kernel's dynamic shared memory above the default 48 KB, allowed once (kept apart per kernel: never under a graph's
  * capture, whose key always runs plain first) */
 static void allow_smem(const void *kernel, size_t bytes) {
@@ -4456,6 +4455,8 @@ static void allow_smem(const void *kernel, size_t bytes) {
     CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
     if (nd < 64) done[nd++] = kernel;
 }
+
+/* gemm_few over out / 16 tiles: the fewest warps a tile (KS) that still give every SM two blocks */
 static void gemm_few_launch(GpuModel *g, float *y, int ldy, int wdt, const void *W, int out, int in, const void *x,
                             int x_bf16, int n, float beta) {
     int tiles = (out + 15) / 16, ks = 1;
