@@ -2709,13 +2709,16 @@ __device__ __forceinline__ void few_rows(float (&acc)[2][4], WPtr w0, WPtr w1, c
  * lane's rows g and g + 8 (their scales). The ring's 16-byte units are swizzled so that the lanes' reads are free of
  * bank conflicts: unit u of row r at u ^ (r % RPP) * (8 / RPP), RPP the rows one read phase (128 bytes) covers.
  * K % KC == 0 (the caller checks). */
-template <typename W> __host__ __device__ constexpr int few_chunk_bytes() { return is_q<W> ? 32 * Fmt<W>::GB / LAGUNA_QGROUP : 64; }
+template <typename W> __host__ __device__ constexpr int few_chunk_bytes() {   /* a row's bytes in a 32-k chunk */
+    return is_q<W> ? 32 * Fmt<W>::GB / LAGUNA_QGROUP : 64;
+}
 template <typename W, int HALVES, int KC, int ST>
 __device__ __forceinline__ void few_rows_staged(float (&acc)[2][4], WPtr mat, int lo0, int lo_last, int hi0, int hi_last,
                                                 WPtr w0, WPtr w1, const bf16 *x0, const bf16 *x1, int K, int lane,
                                                 unsigned char *ring) {
     constexpr int CB = few_chunk_bytes<W>(), LB = CB / 4, RB = KC / 32 * CB;   /* bytes a 32-k chunk, a lane, a stage */
-    static_assert(KC % 32 == 0 && RB >= 128 && RB <= 512 && ST >= 2, "a stage is 128..512 bytes a row (the swizzle needs 8 units), two stages at least");
+    static_assert(KC % 32 == 0 && RB >= 128 && RB <= 512 && ST >= 2,
+                  "a stage is 128..512 bytes a row (the swizzle needs 8 units), two stages at least");
     constexpr int UPR = RB / 16, RPI = 32 / UPR, CPL = 16 / RPI;  /* units a row; rows an instruction; copies a lane */
     constexpr int RPP = 128 / CB, SW = 8 / RPP;                    /* rows a read phase; the swizzle's step */
     const int g = lane >> 2, t = lane & 3, ul = lane % UPR, nst = K / KC;
@@ -2782,6 +2785,26 @@ template <typename W> __host__ __device__ constexpr size_t few_ring_bytes(int KC
 }
 /* does format W take the staged path (bf16, q8, q4: not f32 rows) */
 template <typename W> constexpr bool few_stages = std::is_same<W, bf16>::value || is_q<W>;
+
+/* a warp's 16 rows (rows as few_rows_staged's; w0 / w1 the lane's rows g and g + 8) times its tokens (x0 / x1: both
+ * halves when the expert has more than 8, cnt): through the ring when KC > 0 and the matrix allows it (K % KC == 0,
+ * 16-byte aligned for cp.async), else straight into registers (few_rows); the same sums either way */
+template <typename W, int U, int U2, bool WF, int KC, int ST>
+__device__ __forceinline__ void few_rows_pick(float (&acc)[2][4], WPtr mat, int lo0, int lo_last, int hi0, int hi_last,
+                                              WPtr w0, WPtr w1, const bf16 *x0, const bf16 *x1, int cnt, int K,
+                                              int warp, int lane) {
+    if constexpr (KC > 0 && few_stages<W>)
+        if (K % KC == 0 && ((size_t)mat.v & 15) == 0) {
+            extern __shared__ __align__(16) unsigned char few_ring[];
+            unsigned char *ring = few_ring + warp * few_ring_bytes<W>(KC, ST) / 8;
+            if (cnt > 8)
+                few_rows_staged<W, 2, KC, ST>(acc, mat, lo0, lo_last, hi0, hi_last, w0, w1, x0, x1, K, lane, ring);
+            else few_rows_staged<W, 1, KC, ST>(acc, mat, lo0, lo_last, hi0, hi_last, w0, w1, x0, x1, K, lane, ring);
+            return;
+        }
+    if (cnt > 8) few_rows<W, bf16, 2, U2, WF>(acc, w0, w1, x0, x1, K, 0, 1, lane);
+    else few_rows<W, bf16, 1, U, WF>(acc, w0, w1, x0, x1, K, 0, 1, lane);
+}
 
 /* y[t, r] = beta * y[t, r] + W[r, :] . x[t, :] for n <= 16 tokens (x rows of `in` values, bf16 or f32). A block: 8
  * warps on 8 / KS tiles of 16 rows, KS warps splitting a tile's chunks (then summed through shared memory, in warp
@@ -2864,22 +2887,9 @@ __global__ void __launch_bounds__(256, MINB) moe_gate_up_few(WPtr experts_gu, in
     const bf16 *x0 = x + (size_t)(toks ? toks[s0] : s0) * H, *x1 = x + (size_t)(toks ? toks[s1] : s1) * H;
     float acc[2][4] = {};
     const WPtr wg = wrow<W>(base, row0 + j, H), wu = wrow<W>(base, row0 + hid + j, H);
-    bool done = false;
-    if constexpr (KC > 0 && few_stages<W>)
-        if (H % KC == 0 && ((size_t)base.v & 15) == 0) {   /* (cp.async: 16-byte aligned rows) */
-            extern __shared__ __align__(16) unsigned char few_ring[];
-            unsigned char *ring = few_ring + warp * few_ring_bytes<W>(KC, ST) / 8;
-            const int lo0 = (int)row0 + j0, lo_last = (int)row0 + hid - 1;
-            if (cnt > 8)
-                few_rows_staged<W, 2, KC, ST>(acc, base, lo0, lo_last, lo0 + hid, lo_last + hid, wg, wu, x0, x1, H,
-                                              lane, ring);
-            else few_rows_staged<W, 1, KC, ST>(acc, base, lo0, lo_last, lo0 + hid, lo_last + hid, wg, wu, x0, x1, H,
-                                               lane, ring);
-            done = true;
-        }
-    if (done) {
-    } else if (cnt > 8) few_rows<W, bf16, 2, U2, WF>(acc, wg, wu, x0, x1, H, 0, 1, lane);
-    else few_rows<W, bf16, 1, U, WF>(acc, wg, wu, x0, x1, H, 0, 1, lane);
+    const int lo0 = (int)row0 + j0, lo_last = (int)row0 + hid - 1;   /* gate rows; the up rows hid further */
+    few_rows_pick<W, U, U2, WF, KC, ST>(acc, base, lo0, lo_last, lo0 + hid, lo_last + hid, wg, wu, x0, x1, cnt, H, warp,
+                                        lane);
     if (j0 + g >= hid) return;
 #pragma unroll
     for (int h = 0; h < 2; h++)
@@ -2926,23 +2936,9 @@ __global__ void __launch_bounds__(256, MINB) moe_down_few(WPtr experts_down, int
     const int s0 = min(g, cnt - 1), s1 = min(g + 8, cnt - 1);
     const WPtr w0 = wrow<W>(base, row0 + min(r0 + g, H - 1), hid), w1 = wrow<W>(base, row0 + min(r0 + g + 8, H - 1), hid);
     float acc[2][4] = {};
-    bool done = false;
-    if constexpr (KC > 0 && few_stages<W>)
-        if (hid % KC == 0 && ((size_t)base.v & 15) == 0) {   /* (cp.async: 16-byte aligned rows) */
-            extern __shared__ __align__(16) unsigned char few_ring[];
-            unsigned char *ring = few_ring + warp * few_ring_bytes<W>(KC, ST) / 8;
-            const int lo0 = (int)row0 + r0, last = (int)row0 + H - 1;
-            if (cnt > 8)
-                few_rows_staged<W, 2, KC, ST>(acc, base, lo0, last, lo0 + 8, last, w0, w1, xin + (size_t)s0 * hid,
-                                              xin + (size_t)s1 * hid, hid, lane, ring);
-            else few_rows_staged<W, 1, KC, ST>(acc, base, lo0, last, lo0 + 8, last, w0, w1, xin + (size_t)s0 * hid,
-                                               xin, hid, lane, ring);
-            done = true;
-        }
-    if (done) {
-    } else if (cnt > 8)
-        few_rows<W, bf16, 2, U2, WF>(acc, w0, w1, xin + (size_t)s0 * hid, xin + (size_t)s1 * hid, hid, 0, 1, lane);
-    else few_rows<W, bf16, 1, U, WF>(acc, w0, w1, xin + (size_t)s0 * hid, xin, hid, 0, 1, lane);
+    const int lo0 = (int)row0 + r0, last = (int)row0 + H - 1;
+    few_rows_pick<W, U, U2, WF, KC, ST>(acc, base, lo0, last, lo0 + 8, last, w0, w1, xin + (size_t)s0 * hid,
+                                        xin + (size_t)s1 * hid, cnt, hid, warp, lane);
 #pragma unroll
     for (int h = 0; h < 2; h++)
 #pragma unroll

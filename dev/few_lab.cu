@@ -7,8 +7,8 @@
  * XS-2.1 verification's (q/k/v/g 10304 x 2048, o_proj 2048 x 8192, the router 256 x 2048, lm_head 100352 x 2048; 16
  * tokens top-8 of 256 experts, I 512, shared 512) and odd small ones (rows not a multiple of 16, K not a multiple
  * of 32, fewer than 8 tokens). Matrices smaller than 256 MB are timed over rotating copies so L2 does not serve
- * them. GB/s = weight bytes / time. Exit code 1 if a check fails. `./dev/few_lab experts` runs the MoE cases alone (`experts-q`: the q8 / q4 ones);
- * their timed cases also sweep the expert kernels' MINB (blocks an SM their registers allow), U (chunks in flight)
+ * them. GB/s = weight bytes / time. Exit code 1 if a check fails. `./dev/few_lab experts` runs the MoE cases alone
+ * (`experts-q`: the q8 / q4 ones); their timed cases also sweep the expert kernels' MINB (blocks an SM their registers allow), U (chunks in flight)
  * and WF (few_rows' load order), and KC / ST (the weights through a ring of shared memory, few_rows_staged),
  * each variant's outputs bit-equal to those of the variant the model takes (few_moe_pick); `./dev/few_lab gemm-sweep`
  * does the same for gemm_few at the verification's shapes. */
@@ -229,7 +229,7 @@ static void moe_case(int E, int K, int H, int I, int S, int n, int timed) {
     CUDA_CHECK(cudaMalloc(&d_hp, (size_t)P * I * 4));
     CUDA_CHECK(cudaMalloc(&d_hs, (size_t)n * S * 4));
     bf16 *d_acts = d_act + (size_t)P * I;
-    /* the two kernels at template arguments (MINB, U, U2, WF, KC, ST) given as IntC values; run_few: the model's pick */
+    /* the two kernels at template arguments (MINB, U, U2, WF, KC, ST), IntC values; run_few: the model's pick */
     auto gate_up = [&](auto mb, auto u, auto u2, auto wf, auto kc, auto st) {
         auto k = moe_gate_up_few<W, decltype(mb)::value, decltype(u)::value, decltype(u2)::value,
                                  (bool)decltype(wf)::value, decltype(kc)::value, decltype(st)::value>;
@@ -337,7 +337,7 @@ static void moe_case(int E, int K, int H, int I, int S, int n, int timed) {
         variant(IntC<3>(), IntC<2>(), IntC<2>(), IntC<1>(), IntC<0>(), IntC<2>());
         variant(IntC<4>(), IntC<2>(), IntC<2>(), IntC<1>(), IntC<0>(), IntC<2>());
         variant(IntC<4>(), IntC<3>(), IntC<2>(), IntC<1>(), IntC<0>(), IntC<2>());
-        if constexpr (std::is_same<W, bf16>::value) {   /* bf16: the weights through each warp's ring of shared memory (KC, ST) */
+        if constexpr (std::is_same<W, bf16>::value) {   /* bf16: the weights through a warp's ring (KC, ST) */
             variant(IntC<2>(), IntC<2>(), IntC<2>(), IntC<0>(), IntC<128>(), IntC<3>());
             variant(IntC<3>(), IntC<2>(), IntC<2>(), IntC<0>(), IntC<128>(), IntC<2>());
             variant(IntC<1>(), IntC<2>(), IntC<2>(), IntC<0>(), IntC<256>(), IntC<2>());
@@ -350,7 +350,7 @@ static void moe_case(int E, int K, int H, int I, int S, int n, int timed) {
             variant(IntC<2>(), IntC<2>(), IntC<2>(), IntC<0>(), IntC<256>(), IntC<3>());
             variant(IntC<4>(), IntC<2>(), IntC<2>(), IntC<0>(), IntC<256>(), IntC<2>());
             variant(IntC<2>(), IntC<2>(), IntC<2>(), IntC<0>(), IntC<512>(), IntC<2>());
-            if constexpr ((int)Fmt<W>::DT == (int)DT_Q8) {   /* (q4 rows are 64 bytes a stage at KC 128: too few for the swizzle) */
+            if constexpr ((int)Fmt<W>::DT == (int)DT_Q8) {   /* (q4 at KC 128: 64-byte stages, too short) */
                 variant(IntC<4>(), IntC<2>(), IntC<2>(), IntC<0>(), IntC<128>(), IntC<2>());
                 variant(IntC<3>(), IntC<2>(), IntC<2>(), IntC<0>(), IntC<128>(), IntC<4>());
             }
@@ -362,7 +362,8 @@ static void moe_case(int E, int K, int H, int I, int S, int n, int timed) {
 
 int main(int argc, char **argv) {
     /* ./dev/few_lab experts: the MoE cases; experts-q: the q8 / q4 ones */
-    const int experts_q = argc > 1 && !strcmp(argv[1], "experts-q"), experts_only = experts_q || (argc > 1 && !strcmp(argv[1], "experts"));
+    const int experts_q = argc > 1 && !strcmp(argv[1], "experts-q");
+    const int experts_only = experts_q || (argc > 1 && !strcmp(argv[1], "experts"));
     cudaDeviceProp prop;
     CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
     GpuModel g = lab_few_model(prop);

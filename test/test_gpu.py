@@ -682,7 +682,8 @@ def test_gpu_quant_few_token_gemm(laguna_gpu, exported, dtype, tmp_path):
     # at the XS-2.1 widths (4 layers, hash-random weights) the experts' value bytes of 16-token chunks come through
     # shared memory (few_rows_staged) or straight into registers (LAGUNA_FEW_STAGED=0): the same sums, bit for bit
     m = str(tmp_path / f"mid_{dtype}.bin")
-    run([sys.executable, os.path.join(ROOT, "export.py"), "-q", "--synthetic", "XS-2.1", "--layers", "4", "--dtype", dtype, m])
+    run([sys.executable, os.path.join(ROOT, "export.py"), "-q", "--synthetic", "XS-2.1", "--layers", "4",
+         "--dtype", dtype, m])
     ids_file = tmp_path / "ids.txt"
     ids_file.write_text(" ".join(map(str, np.random.default_rng(2).integers(3, 100352, size=96))))
     common = ("--random-weights", "1", "-c", "256", "--chunk", "16")
