@@ -1216,21 +1216,6 @@ attention_flash(const float *qkvg, int NQ, int n, int g, int nh, const KV *kc, c
         lo[i] = window ? pr[i] - window + 1 : 0;
         hi[i] = causal ? pr[i] : pos + n - 1;
     }
-    /* Q fragments in registers for the whole key loop; KS (decode) also keeps what bf16 drops of q (qr) and of p,
-     * a second MMA each: q.k and p.v as exact as the fused kernel's fp32 math, where the tensor cores are idle */
-    uint32_t qf[D / 16][4], qr[KS ? D / 16 : 1][4];
-#pragma unroll
-    for (int kk = 0; kk < D / 16; kk++)
-#pragma unroll
-        for (int i = 0; i < 2; i++) {
-            const float *q = qkvg + (size_t)(rr[i] / g) * NQ + (size_t)(h * g + rr[i] % g) * D + kk * 16 + tig * 2;
-            qf[kk][i] = ok[i] ? pack_bf16(q[0], q[1]) : 0u;
-            qf[kk][2 + i] = ok[i] ? pack_bf16(q[8], q[9]) : 0u;
-            if constexpr (KS) {
-                qr[kk][i] = ok[i] ? pack_bf16_rest(q[0], q[1]) : 0u;
-                qr[kk][2 + i] = ok[i] ? pack_bf16_rest(q[8], q[9]) : 0u;
-            }
-        }
     float o[D / 8][4] = {};
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
     /* keys every row of this block may see: tiles inside [lo_all, hi_all] need no mask */
@@ -1274,7 +1259,29 @@ attention_flash(const float *qkvg, int NQ, int n, int g, int nh, const KV *kc, c
             *(uint4 *)&Vs[buf][key][ch * 8] = fp8x8_to_bf16x8(v8[j]);
         }
     };
-    if (k_begin < k_end) load(0, k_begin);
+    /* One token (KS, launched with programmatic dependent launch): a first tile of keys all older than the token
+     * was written by earlier steps, so it loads while qk_norm_rope_kernel runs; q and the token's own k / v are that
+     * kernel's output, read after the wait. */
+    const bool early = KS && k_begin < k_end && min(k_end, k_begin + BN) <= pos;
+    if (early) load(0, k_begin);
+    griddep_wait();
+    griddep_launch();
+    if (k_begin < k_end && !early) load(0, k_begin);
+    /* Q fragments in registers for the whole key loop; KS (decode) also keeps what bf16 drops of q (qr) and of p,
+     * a second MMA each: q.k and p.v as exact as the fused kernel's fp32 math, where the tensor cores are idle */
+    uint32_t qf[D / 16][4], qr[KS ? D / 16 : 1][4];
+#pragma unroll
+    for (int kk = 0; kk < D / 16; kk++)
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            const float *q = qkvg + (size_t)(rr[i] / g) * NQ + (size_t)(h * g + rr[i] % g) * D + kk * 16 + tig * 2;
+            qf[kk][i] = ok[i] ? pack_bf16(q[0], q[1]) : 0u;
+            qf[kk][2 + i] = ok[i] ? pack_bf16(q[8], q[9]) : 0u;
+            if constexpr (KS) {
+                qr[kk][i] = ok[i] ? pack_bf16_rest(q[0], q[1]) : 0u;
+                qr[kk][2 + i] = ok[i] ? pack_bf16_rest(q[8], q[9]) : 0u;
+            }
+        }
     for (int kt = k_begin, it = 0; kt < k_end; kt += BN, it++) {
         const int buf = it & 1;
         if (kt + BN < k_end && F8R) fetch(kt + BN);                  /* widened into buf ^ 1 after the math */
@@ -1893,43 +1900,61 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
 
 /* Merge the splits of each (token, head), then the softplus output gate (per head or per element; none when
  * gate_off < 0: a drafter with gating disabled).
- * The split weights go through shared memory; splits left empty by a short context are skipped. */
-__global__ void attention_combine(float *att, const float *part_o, const float2 *part_ml, int nsplit, int nh,
-                                  int D, const float *qkvg, int NQ, int gate_off, int gate_per_head, bf16 *att16) {
+ * A block is SG = ceil(nsplit / 16) groups of threads (combine_block), a thread per head dim in each; group j takes
+ * splits j, j + SG, ... and loads all of them at once, with their running max and sum, so the merge waits for one
+ * trip to L2, not one a split (the merge with the splits one after the other took ~10 us a full layer at 8K beside
+ * o_proj's early weight loads, in the decode trace; a fixed 4 groups made the 16-token verify's 1,024 blocks 4%
+ * slower). The groups' max, sum and output meet in shared memory. Splits left empty by a short context (sum 0) are
+ * skipped. */
+constexpr int COMBINE_PER = 16, COMBINE_SG = 4;    /* splits a group at most; groups (nsplit <= 64: split_for) */
+static dim3 combine_block(int nsplit, int D) { return dim3((nsplit + COMBINE_PER - 1) / COMBINE_PER * (D < 32 ? 32 : D)); }
+__global__ void __launch_bounds__(COMBINE_SG * 128)
+attention_combine(float *att, const float *part_o, const float2 *part_ml, int nsplit, int nh, int D,
+                  const float *qkvg, int NQ, int gate_off, int gate_per_head, bf16 *att16) {
     TRACE_BLOCK();
     griddep_wait();
     griddep_launch();
-    __shared__ float wsp[64];
-    __shared__ float sh_L;
-    int t = blockIdx.x / nh, hd = blockIdx.x % nh;
-    size_t idx = (size_t)blockIdx.x * nsplit;
-    if (threadIdx.x < 32) {
-        float M = -INFINITY;
-        for (int s = threadIdx.x; s < nsplit; s += 32) M = fmaxf(M, part_ml[idx + s].x);
-        M = warp_max(M);
-        float L = 0.0f;
-        for (int s = threadIdx.x; s < nsplit; s += 32) {
-            float2 ml = part_ml[idx + s];
-            float w = ml.y > 0.0f ? exp2f(ml.x - M) : 0.0f;
-            wsp[s] = w;
-            L += ml.y * w;
+    __shared__ float3 part[COMBINE_SG][128];       /* a group's (max, sum, output) per head dim (D <= 128) */
+    const int SG = (nsplit + COMBINE_PER - 1) / COMBINE_PER, W = blockDim.x / SG, j = threadIdx.x / W,
+              d = threadIdx.x % W;
+    const int t = blockIdx.x / nh, hd = blockIdx.x % nh;
+    const size_t idx = (size_t)blockIdx.x * nsplit;
+    if (d < D) {
+        float2 ml[COMBINE_PER];
+        float v[COMBINE_PER];
+#pragma unroll
+        for (int i = 0; i < COMBINE_PER; i++) {
+            const int s = j + i * SG;
+            ml[i] = s < nsplit ? part_ml[idx + s] : make_float2(-INFINITY, 0.0f);
+            v[i] = s < nsplit ? part_o[(idx + s) * D + d] : 0.0f;
         }
-        L = warp_sum(L);
-        if (threadIdx.x == 0) sh_L = L;
+        float m = -INFINITY, l = 0.0f, o = 0.0f;
+#pragma unroll
+        for (int i = 0; i < COMBINE_PER; i++) if (ml[i].y > 0.0f) m = fmaxf(m, ml[i].x);
+#pragma unroll
+        for (int i = 0; i < COMBINE_PER; i++)
+            if (ml[i].y > 0.0f) {
+                const float w = exp2f(ml[i].x - m);
+                l += ml[i].y * w;
+                o += v[i] * w;
+            }
+        part[j][d] = make_float3(m, l, o);
     }
     __syncthreads();
+    if (j != 0 || d >= D) return;
+    float M = -INFINITY, L = 0.0f, O = 0.0f;
+    for (int k = 0; k < SG; k++) M = fmaxf(M, part[k][d].x);
+    for (int k = 0; k < SG; k++)
+        if (part[k][d].y > 0.0f) {
+            const float w = exp2f(part[k][d].x - M);
+            L += part[k][d].y * w;
+            O += part[k][d].z * w;
+        }
     const float *gate = qkvg + (size_t)t * NQ + gate_off;
-    float L = sh_L;
-    for (int d = threadIdx.x; d < D; d += blockDim.x) {
-        float acc = 0.0f;
-#pragma unroll 4
-        for (int s = 0; s < nsplit; s++)
-            if (wsp[s] > 0.0f) acc += part_o[(idx + s) * D + d] * wsp[s];
-        float gt = gate_off < 0 ? 1.0f : softplus(gate[gate_per_head ? hd : hd * D + d]);
-        const float v = acc / L * gt;
-        att[((size_t)t * nh + hd) * D + d] = v;
-        if (att16) att16[((size_t)t * nh + hd) * D + d] = __float2bfloat16(v);
-    }
+    const float gt = gate_off < 0 ? 1.0f : softplus(gate[gate_per_head ? hd : hd * D + d]);
+    const float out = O / L * gt;
+    att[((size_t)t * nh + hd) * D + d] = out;
+    if (att16) att16[((size_t)t * nh + hd) * D + d] = __float2bfloat16(out);
 }
 
 /* ---- MoE ----
@@ -4183,6 +4208,10 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
     }
     /* attention splits for one token: sliding layers see at most W keys, full layers up to ctx */
     g->decode_split[ATTN_FULL] = split_for(g, ctx, 1, 1);
+    if (getenv("LAGUNA_DECODE_SPLITS")) {           /* a tuning hook: the long-context kernel's splits (1..64) */
+        int s = atoi(getenv("LAGUNA_DECODE_SPLITS"));
+        if (s >= 1 && s <= 64) g->decode_split[ATTN_FULL] = s;     /* (part_o holds 1024 a head) */
+    }
     g->decode_split[ATTN_SLIDING] = split_for(g, c->sliding_window, 1, 1);
     /* fused decode attention: tiles of 4096 / D keys; sliding layers one tile per split, full layers up to
      * ~4 blocks per SM (splits then run several tiles each); at most 128 splits (its merge's shared memory) */
@@ -4627,10 +4656,10 @@ static void attention(GpuModel *g, int l, int n, int pos) {
         if (n == 1) nsplit = g->decode_split[c->layer_type[l]];
         else nsplit = split_for(g, sliding ? window + n - 1 : pos + n, rb, n);
         dim3 grid(rb, nkv, nsplit);
-#define FLASH(KV, DD, WW) (ks ? attention_flash<KV, DD, WW, true> : attention_flash<KV, DD, WW, false>)<<<grid, WW * 32, \
-        flash_smem_bytes(DD), g->stream>>>(g->qkvg, L->NQ, n, \
-        gq, L->nh, (const KV *)L->kc, (const KV *)L->vc, L->rows, c->kv_dim, pos_ptr, window, c->causal, nsplit, g->part_o, \
-        g->part_ml, scale_log2, g->att, c->gated ? L->nh * D + 2 * c->kv_dim : -1, c->gate_per_head, att16)
+#define FLASH(KV, DD, WW) launch(g, ks ? attention_flash<KV, DD, WW, true> : attention_flash<KV, DD, WW, false>, grid, \
+        dim3(WW * 32), flash_smem_bytes(DD), (const float *)g->qkvg, L->NQ, n, gq, L->nh, (const KV *)L->kc, \
+        (const KV *)L->vc, L->rows, c->kv_dim, pos_ptr, window, c->causal, nsplit, g->part_o, g->part_ml, scale_log2, \
+        g->att, c->gated ? L->nh * D + 2 * c->kv_dim : -1, c->gate_per_head, att16)
 #define FLASH_W(KV) \
         if (warps == 1) { switch (D) { case 16: FLASH(KV, 16, 1); break; case 32: FLASH(KV, 32, 1); break; case 64: FLASH(KV, 64, 1); break; default: FLASH(KV, 128, 1); } } \
         else { switch (D) { case 16: FLASH(KV, 16, 4); break; case 32: FLASH(KV, 32, 4); break; case 64: FLASH(KV, 64, 4); break; default: FLASH(KV, 128, 4); } }
@@ -4641,8 +4670,9 @@ static void attention(GpuModel *g, int l, int n, int pos) {
         if (nsplit == 1) return;                    /* the flash kernel finished the rows */
     }
     LAUNCH_CHECK();
-    attention_combine<<<n * L->nh, D < 32 ? 32 : D, 0, g->stream>>>(g->att, g->part_o, g->part_ml, nsplit, L->nh, D,
-        g->qkvg, L->NQ, c->gated ? L->nh * D + 2 * c->kv_dim : -1, c->gate_per_head, att16);
+    launch(g, attention_combine, dim3(n * L->nh), combine_block(nsplit, D), 0, g->att, (const float *)g->part_o,
+           (const float2 *)g->part_ml, nsplit, L->nh, D, (const float *)g->qkvg, L->NQ,
+           c->gated ? L->nh * D + 2 * c->kv_dim : -1, c->gate_per_head, att16);
     LAUNCH_CHECK();
 }
 
