@@ -1900,17 +1900,57 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
 
 /* Merge the splits of each (token, head), then the softplus output gate (per head or per element; none when
  * gate_off < 0: a drafter with gating disabled).
- * A block is SG = ceil(nsplit / 16) groups of threads (combine_block), a thread per head dim in each; group j takes
- * splits j, j + SG, ... and loads all of them at once, with their running max and sum, so the merge waits for one
- * trip to L2, not one a split (the merge with the splits one after the other took ~10 us a full layer at 8K beside
- * o_proj's early weight loads, in the decode trace; a fixed 4 groups made the 16-token verify's 1,024 blocks 4%
- * slower). The groups' max, sum and output meet in shared memory. Splits left empty by a short context (sum 0) are
- * skipped. */
+ * The split weights go through shared memory; splits left empty by a short context are skipped. */
+__global__ void attention_combine(float *att, const float *part_o, const float2 *part_ml, int nsplit, int nh,
+                                  int D, const float *qkvg, int NQ, int gate_off, int gate_per_head, bf16 *att16) {
+    TRACE_BLOCK();
+    griddep_wait();
+    griddep_launch();
+    __shared__ float wsp[64];
+    __shared__ float sh_L;
+    int t = blockIdx.x / nh, hd = blockIdx.x % nh;
+    size_t idx = (size_t)blockIdx.x * nsplit;
+    if (threadIdx.x < 32) {
+        float M = -INFINITY;
+        for (int s = threadIdx.x; s < nsplit; s += 32) M = fmaxf(M, part_ml[idx + s].x);
+        M = warp_max(M);
+        float L = 0.0f;
+        for (int s = threadIdx.x; s < nsplit; s += 32) {
+            float2 ml = part_ml[idx + s];
+            float w = ml.y > 0.0f ? exp2f(ml.x - M) : 0.0f;
+            wsp[s] = w;
+            L += ml.y * w;
+        }
+        L = warp_sum(L);
+        if (threadIdx.x == 0) sh_L = L;
+    }
+    __syncthreads();
+    const float *gate = qkvg + (size_t)t * NQ + gate_off;
+    float L = sh_L;
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+        float acc = 0.0f;
+#pragma unroll 4
+        for (int s = 0; s < nsplit; s++)
+            if (wsp[s] > 0.0f) acc += part_o[(idx + s) * D + d] * wsp[s];
+        float gt = gate_off < 0 ? 1.0f : softplus(gate[gate_per_head ? hd : hd * D + d]);
+        const float v = acc / L * gt;
+        att[((size_t)t * nh + hd) * D + d] = v;
+        if (att16) att16[((size_t)t * nh + hd) * D + d] = __float2bfloat16(v);
+    }
+}
+
+/* One token's merge (decode: n * nh = 48 blocks at XS-2.1, latency-bound): the same math as attention_combine, but
+ * a block is SG = ceil(nsplit / 16) groups of threads, a thread per head dim in each; group j takes splits j, j + SG,
+ * ... and loads all of them at once with their running max and sum, so the merge waits for one trip to L2, not one a
+ * split (attention_combine took 10.4 us a full layer at 8K beside o_proj's early weight loads, this 4.9, in the
+ * decode trace: round 38 in dev/gpu_notes.md). The groups' max, sum and output meet in shared memory; splits left
+ * empty (sum 0) are skipped. Not for many rows: at 64 registers its blocks made the 16-token verify's 1,024-block
+ * merge 0.5-1% slower than attention_combine's. */
 constexpr int COMBINE_PER = 16, COMBINE_SG = 4;    /* splits a group at most; groups (nsplit <= 64: split_for) */
 static dim3 combine_block(int nsplit, int D) { return dim3((nsplit + COMBINE_PER - 1) / COMBINE_PER * (D < 32 ? 32 : D)); }
 __global__ void __launch_bounds__(COMBINE_SG * 128)
-attention_combine(float *att, const float *part_o, const float2 *part_ml, int nsplit, int nh, int D,
-                  const float *qkvg, int NQ, int gate_off, int gate_per_head, bf16 *att16) {
+attention_combine_one(float *att, const float *part_o, const float2 *part_ml, int nsplit, int nh, int D,
+                      const float *qkvg, int NQ, int gate_off, int gate_per_head, bf16 *att16) {
     TRACE_BLOCK();
     griddep_wait();
     griddep_launch();
@@ -4670,9 +4710,12 @@ static void attention(GpuModel *g, int l, int n, int pos) {
         if (nsplit == 1) return;                    /* the flash kernel finished the rows */
     }
     LAUNCH_CHECK();
-    launch(g, attention_combine, dim3(n * L->nh), combine_block(nsplit, D), 0, g->att, (const float *)g->part_o,
-           (const float2 *)g->part_ml, nsplit, L->nh, D, (const float *)g->qkvg, L->NQ,
-           c->gated ? L->nh * D + 2 * c->kv_dim : -1, c->gate_per_head, att16);
+    if (n == 1) launch(g, attention_combine_one, dim3(L->nh), combine_block(nsplit, D), 0, g->att,
+                       (const float *)g->part_o, (const float2 *)g->part_ml, nsplit, L->nh, D, (const float *)g->qkvg,
+                       L->NQ, c->gated ? L->nh * D + 2 * c->kv_dim : -1, c->gate_per_head, att16);
+    else launch(g, attention_combine, dim3(n * L->nh), dim3(D < 32 ? 32 : D), 0, g->att, (const float *)g->part_o,
+                (const float2 *)g->part_ml, nsplit, L->nh, D, (const float *)g->qkvg, L->NQ,
+                c->gated ? L->nh * D + 2 * c->kv_dim : -1, c->gate_per_head, att16);
     LAUNCH_CHECK();
 }
 

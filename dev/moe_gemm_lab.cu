@@ -323,7 +323,7 @@ static void attn_case(const char *name, int n, int pos, int nh, int nkv, int win
             pos_d, window, 1 /* causal */, nsplit, part_o, part_ml, scale_log2, out, gate_off, 1, (bf16 *)NULL);
         LAUNCH_CHECK();
         if (nsplit > 1) {
-            attention_combine<<<n * nh, combine_block(nsplit, D), 0, s>>>(out, part_o, part_ml, nsplit, nh, D, qkvg, NQ, gate_off, 1, (bf16 *)NULL);
+            attention_combine<<<n * nh, D, 0, s>>>(out, part_o, part_ml, nsplit, nh, D, qkvg, NQ, gate_off, 1, (bf16 *)NULL);
             LAUNCH_CHECK();
         }
     };
@@ -336,7 +336,7 @@ static void attn_case(const char *name, int n, int pos, int nh, int nkv, int win
         attention_scalar<bf16><<<dim3(n, nh), 32, 0, s>>>(qkvg, NQ, n, g, nh, D, kc, vc, rows, KVD, pos_d, window, 1 /* causal */, part_o,
                                                           part_ml, scale_log2);
         LAUNCH_CHECK();
-        attention_combine<<<n * nh, combine_block(1, D), 0, s>>>(ref, part_o, part_ml, 1, nh, D, qkvg, NQ, gate_off, 1, (bf16 *)NULL);
+        attention_combine<<<n * nh, D, 0, s>>>(ref, part_o, part_ml, 1, nh, D, qkvg, NQ, gate_off, 1, (bf16 *)NULL);
         LAUNCH_CHECK();
         auto compare = [&](int nsplit) {
             CUDA_CHECK(cudaMemsetAsync(att, 0xFF, (size_t)n * nh * D * 4, s));
