@@ -4615,9 +4615,9 @@ static void matvec_dt(GpuModel *g, int dt, float *out, const void *w, int rows, 
 
 /* One token on a full layer at long context: the fused kernel's tile loop does its q.k and p.v on CUDA cores, ~1,500
  * FMAs per 512 bytes of K/V (GQA group 6), and streams only ~0.8 TB/s; the tensor-core flash kernel with its 4 warps
- * splitting each tile's keys (attention_flash<KS>, after qk_norm_rope_kernel, merged by attention_combine_one) streams
- * ~3 TB/s at 32K-128K (~2.2 at 8K, round 38). Measured on the H200 (dev/gpu_notes.md, round 6): decode at 8K / 32K / 128K 290.5 / 214.3 /
- * 104 tok/s before, 316.8 / 290.9 / 215.5 after; at 512 the two extra launches cost 0.8%, at 2048 it was 1.8%
+ * splitting each tile's keys (attention_flash<KS>, after qk_norm_rope_kernel, merged by attention_combine_one)
+ * streams ~3 TB/s at 32K-128K (~2.2 at 8K, round 38). Measured on the H200 (dev/gpu_notes.md, round 6): decode at 8K /
+ * 32K / 128K 290.5 / 214.3 / 104 tok/s before, 316.8 / 290.9 / 215.5 after; at 512 the two extra launches cost 0.8%, at 2048 it was 1.8%
  * faster and at 4096 4.5% (round 7), against the fused kernel's global merge over many splits. Full layers' fused
  * kernel as a cluster (full_cluster(), round 25) is faster than this one at 2048: 446.0 -> 460.1 tok/s at positions
  * 2048-2183 (5 tiles a split), and at 3072-3207 441.1 -> 444.7 (7 tiles); at 4096 (9 tiles) slower, 439.0 -> 433.1
