@@ -1177,7 +1177,18 @@ __device__ __forceinline__ void cp_async16(void *smem, const void *g, bool valid
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(a), "l"(g), "r"(valid ? 16 : 0));
 }
 
-constexpr int flash_smem_bytes(int D) { return 4 * 64 * (D + 8) * (int)sizeof(bf16); }   /* K and V, two buffers each */
+/* What attention_flash<KS> (one token at long context) may take beyond the n-token kernel's arguments: the q / k
+ * RMSNorm and RoPE of qk_norm_rope_kernel, done in the kernel when q_norm is set (that launch is then skipped). */
+struct FlashLong {
+    const float *q_norm, *k_norm, *inv_freq;
+    int rd;
+    float scaling, eps;
+};
+constexpr int FLASH_GMAX = 16;                      /* KS: query heads a kv head at most (one tile of 16 rows) */
+/* K and V tiles of 64 keys, two buffers each; KS adds the group's q rows, a scratch row and RoPE's cos / sin */
+constexpr int flash_smem_bytes(int D, bool ks = false) {
+    return 4 * 64 * (D + 8) * (int)sizeof(bf16) + (ks ? (FLASH_GMAX + 1) * D * 4 + D * 4 : 0);
+}
 /* 8 e4m3 values to 8 bf16 values, exactly (every e4m3 value is a bf16 value) */
 __device__ __forceinline__ uint4 fp8x8_to_bf16x8(uint2 w) {
     float f[8];
@@ -1188,9 +1199,9 @@ __device__ __forceinline__ uint4 fp8x8_to_bf16x8(uint2 w) {
 
 template <typename KV, int D, int WARPS, bool KS = false>
 __global__ void __launch_bounds__(WARPS * 32)
-attention_flash(const float *qkvg, int NQ, int n, int g, int nh, const KV *kc, const KV *vc, int rows,
+attention_flash(const float *qkvg, int NQ, int n, int g, int nh, KV *kc, KV *vc, int rows,
                 int KVD, const int *pos_ptr, int window, int causal, int nsplit, float *part_o, float2 *part_ml,
-                float scale_log2, float *att, int gate_off, int gate_per_head, bf16 *att16) {
+                float scale_log2, float *att, int gate_off, int gate_per_head, bf16 *att16, FlashLong fl) {
     TRACE_BLOCK();
     /* KS (one token's <= 16 rows): the warps share the rows and split each tile's keys, 16 each, then merge */
     constexpr int BM = KS ? 16 : 16 * WARPS, BN = 64, LD = D + 8;   /* +8: conflict-free ldmatrix rows */
@@ -1198,6 +1209,10 @@ attention_flash(const float *qkvg, int NQ, int n, int g, int nh, const KV *kc, c
     extern __shared__ __align__(16) unsigned char flash_smem[];           /* [2][BN][LD] K, then [2][BN][LD] V */
     bf16 (*Ks)[BN][LD] = reinterpret_cast<bf16 (*)[BN][LD]>(flash_smem);
     bf16 (*Vs)[BN][LD] = reinterpret_cast<bf16 (*)[BN][LD]>(flash_smem + 2 * BN * LD * sizeof(bf16));
+    /* KS with q_norm set (fold): the group's q rows, normed and rotated, then a scratch row, after the tiles */
+    const bool fold = KS && fl.q_norm;
+    float (*qs)[D] = reinterpret_cast<float (*)[D]>(flash_smem + 4 * BN * LD * sizeof(bf16));
+    float *cs = qs[FLASH_GMAX + 1], *sn = cs + D / 2;                          /* fold: RoPE's cos / sin at pos */
     const int h = blockIdx.y, split = blockIdx.z, pos = *pos_ptr, nrows = n * g;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
     const int row_first = blockIdx.x * BM, row_last = min(nrows, row_first + BM) - 1;
@@ -1260,12 +1275,67 @@ attention_flash(const float *qkvg, int NQ, int n, int g, int nh, const KV *kc, c
         }
     };
     /* One token (KS, launched with programmatic dependent launch): a first tile of keys all older than the token
-     * was written by earlier steps, so it loads while qk_norm_rope_kernel runs; q and the token's own k / v are that
-     * kernel's output, read after the wait. */
+     * was written by earlier steps, so it loads before the wait, while the previous kernel runs; q and the token's
+     * own k / v are read after it. With the fold, RoPE's angles (they need only the position) are ready before it. */
     const bool early = KS && k_begin < k_end && min(k_end, k_begin + BN) <= pos;
     if (early) load(0, k_begin);
+    if (fold) {
+        for (int i = threadIdx.x; i < fl.rd / 2; i += WARPS * 32) {
+            float f = (float)pos * fl.inv_freq[i];
+            cs[i] = cosf(f) * fl.scaling;
+            sn[i] = sinf(f) * fl.scaling;
+        }
+        __syncthreads();
+    }
     griddep_wait();
     griddep_launch();
+    if constexpr (KS)
+        if (fold) {
+            /* qk_norm_rope_kernel's math, a warp a vector: this group's g query heads into qs (every block: the
+             * same values), and in the block whose keys end at the token, its key and value into the cache */
+            const bool own = k_begin <= pos && pos < k_end;
+            const size_t crow = (size_t)(pos % rows) * KVD + (size_t)h * D;
+            constexpr int EL = (D + 31) / 32;                   /* dims a lane: lane, lane + 32, ... */
+            for (int j = warp; j < g + (own ? 2 : 0); j += WARPS) {
+                const float *src = qkvg + (j < g ? (size_t)(h * g + j) * D : (size_t)nh * D + (j - g) * KVD + h * D);
+                float xv[EL], ss = 0.0f;
+#pragma unroll
+                for (int i = 0; i < EL; i++) {
+                    const int d = lane + 32 * i;
+                    xv[i] = d < D ? src[d] : 0.0f;
+                    ss += xv[i] * xv[i];
+                }
+                if (j == g + 1) {                               /* v: as is */
+#pragma unroll
+                    for (int i = 0; i < EL; i++)
+                        if (lane + 32 * i < D) vc[crow + lane + 32 * i] = from_f<KV>(xv[i]);
+                    continue;
+                }
+                const float inv = 1.0f / sqrtf(warp_sum(ss) / D + fl.eps);
+                const float *nw = j < g ? fl.q_norm : fl.k_norm;
+                float *b = qs[j < g ? j : FLASH_GMAX];
+#pragma unroll
+                for (int i = 0; i < EL; i++)
+                    if (lane + 32 * i < D) b[lane + 32 * i] = nw[lane + 32 * i] * (xv[i] * inv);
+                __syncwarp();
+                const int half = fl.rd / 2;
+#pragma unroll
+                for (int i = 0; i < EL; i++) {
+                    const int d = lane + 32 * i, k = d < half ? d : d - half;
+                    if (d < fl.rd) xv[i] = d < half ? b[d] * cs[k] - b[d + half] * sn[k] : b[d] * cs[k] + b[d - half] * sn[k];
+                    else if (d < D) xv[i] = b[d];
+                }
+                __syncwarp();
+#pragma unroll
+                for (int i = 0; i < EL; i++) {
+                    const int d = lane + 32 * i;
+                    if (d >= D) continue;
+                    if (j < g) b[d] = xv[i];
+                    else kc[crow + d] = from_f<KV>(xv[i]);
+                }
+            }
+            __syncthreads();                                    /* q rows for every warp; k / v before the loads */
+        }
     if (k_begin < k_end && !early) load(0, k_begin);
     /* Q fragments in registers for the whole key loop; KS (decode) also keeps what bf16 drops of q (qr) and of p,
      * a second MMA each: q.k and p.v as exact as the fused kernel's fp32 math, where the tensor cores are idle */
@@ -1274,7 +1344,8 @@ attention_flash(const float *qkvg, int NQ, int n, int g, int nh, const KV *kc, c
     for (int kk = 0; kk < D / 16; kk++)
 #pragma unroll
         for (int i = 0; i < 2; i++) {
-            const float *q = qkvg + (size_t)(rr[i] / g) * NQ + (size_t)(h * g + rr[i] % g) * D + kk * 16 + tig * 2;
+            const float *q = fold ? &qs[rr[i] % g][kk * 16 + tig * 2]
+                                  : qkvg + (size_t)(rr[i] / g) * NQ + (size_t)(h * g + rr[i] % g) * D + kk * 16 + tig * 2;
             qf[kk][i] = ok[i] ? pack_bf16(q[0], q[1]) : 0u;
             qf[kk][2 + i] = ok[i] ? pack_bf16(q[8], q[9]) : 0u;
             if constexpr (KS) {
@@ -3283,8 +3354,9 @@ static void prefill_kernels_setup() {
     CUDA_CHECK(cudaFuncSetAttribute(attention_flash<bf16, 128, 4>, cudaFuncAttributeMaxDynamicSharedMemorySize, flash_smem_bytes(128)));
     CUDA_CHECK(cudaFuncSetAttribute(attention_flash<fp8, 128, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize, flash_smem_bytes(128)));
     CUDA_CHECK(cudaFuncSetAttribute(attention_flash<fp8, 128, 4>, cudaFuncAttributeMaxDynamicSharedMemorySize, flash_smem_bytes(128)));
-    CUDA_CHECK(cudaFuncSetAttribute(attention_flash<bf16, 128, 4, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, flash_smem_bytes(128)));
-    CUDA_CHECK(cudaFuncSetAttribute(attention_flash<fp8, 128, 4, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, flash_smem_bytes(128)));
+    /* the long-context kernel (KS): the tiles and its q rows (D 128: over 48 KB) */
+    CUDA_CHECK(cudaFuncSetAttribute(attention_flash<bf16, 128, 4, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, flash_smem_bytes(128, true)));
+    CUDA_CHECK(cudaFuncSetAttribute(attention_flash<fp8, 128, 4, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, flash_smem_bytes(128, true)));
     CUDA_CHECK(cudaFuncSetAttribute(moe_gemm<64, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, moe_gemm_smem<64>()));
     CUDA_CHECK(cudaFuncSetAttribute(moe_gemm<64, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, moe_gemm_smem<64>()));
     CUDA_CHECK(cudaFuncSetAttribute(moe_gemm<32, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, moe_gemm_smem<32>()));
@@ -3707,6 +3779,7 @@ struct GpuModel {
     int attn_scalar;         /* LAGUNA_ATTN_SCALAR=1: the plain attention kernel on a bf16 / fp8 cache (a debug hook) */
     int long_from;           /* from this position on, full layers' one-token attention is attention_flash<KS> */
     int long_attn;           /* set per forward: pos >= long_from (read while enqueuing; each graph has its own) */
+    int long_fold;           /* attention_flash<KS> does the q/k norm and RoPE (LAGUNA_LONG_FOLD=0: a launch before) */
     int pdl;                 /* programmatic dependent launch for the decode kernels (LAGUNA_NO_PDL=1: off) */
     int pdl_now;             /* set while enqueueing a one-token forward */
     int dup, nlaunch;        /* LAGUNA_DUP=k: the k-th decode launch of every layer enqueued twice (a timing hook) */
@@ -4253,6 +4326,7 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
         if (s >= 1 && s <= 64) g->decode_split[ATTN_FULL] = s;     /* (part_o holds 1024 a head) */
     }
     g->decode_split[ATTN_SLIDING] = split_for(g, c->sliding_window, 1, 1);
+    g->long_fold = !getenv("LAGUNA_LONG_FOLD") || atoi(getenv("LAGUNA_LONG_FOLD")) != 0;   /* a test / timing hook */
     /* fused decode attention: tiles of 4096 / D keys; sliding layers one tile per split, full layers up to
      * ~4 blocks per SM (splits then run several tiles each); at most 128 splits (its merge's shared memory) */
     {
@@ -4697,10 +4771,17 @@ static void attention(GpuModel *g, int l, int n, int pos) {
         if (n == 1) nsplit = g->decode_split[c->layer_type[l]];
         else nsplit = split_for(g, sliding ? window + n - 1 : pos + n, rb, n);
         dim3 grid(rb, nkv, nsplit);
+        FlashLong fl = {};                          /* the long-context kernel: the q/k norm and RoPE inside */
+        if (ks && g->long_fold) {
+            const int t = c->layer_type[l];
+            fl.q_norm = L->q_norm; fl.k_norm = L->k_norm; fl.inv_freq = g->inv_freq[t];
+            fl.rd = c->rotary_dim[t]; fl.scaling = c->rope_scaling[t]; fl.eps = c->norm_eps;
+        }
+        const int fsmem = flash_smem_bytes(D, ks);
 #define FLASH(KV, DD, WW) launch(g, ks ? attention_flash<KV, DD, WW, true> : attention_flash<KV, DD, WW, false>, grid, \
-        dim3(WW * 32), flash_smem_bytes(DD), (const float *)g->qkvg, L->NQ, n, gq, L->nh, (const KV *)L->kc, \
-        (const KV *)L->vc, L->rows, c->kv_dim, pos_ptr, window, c->causal, nsplit, g->part_o, g->part_ml, scale_log2, \
-        g->att, c->gated ? L->nh * D + 2 * c->kv_dim : -1, c->gate_per_head, att16)
+        dim3(WW * 32), fsmem, (const float *)g->qkvg, L->NQ, n, gq, L->nh, (KV *)L->kc, \
+        (KV *)L->vc, L->rows, c->kv_dim, pos_ptr, window, c->causal, nsplit, g->part_o, g->part_ml, scale_log2, \
+        g->att, c->gated ? L->nh * D + 2 * c->kv_dim : -1, c->gate_per_head, att16, fl)
 #define FLASH_W(KV) \
         if (warps == 1) { switch (D) { case 16: FLASH(KV, 16, 1); break; case 32: FLASH(KV, 32, 1); break; case 64: FLASH(KV, 64, 1); break; default: FLASH(KV, 128, 1); } } \
         else { switch (D) { case 16: FLASH(KV, 16, 4); break; case 32: FLASH(KV, 32, 4); break; case 64: FLASH(KV, 64, 4); break; default: FLASH(KV, 128, 4); } }
@@ -5042,7 +5123,8 @@ static void forward_gpu(GpuModel *g, int n, int pos, int all_logits) {
 #define QKR(KV) launch(g, qk_norm_rope_kernel<KV>, rg, dim3(128), 0, g->qkvg, L->NQ, L->nh, c->n_kv_heads, D, \
         (const float *)L->q_norm, (const float *)L->k_norm, (const float *)g->inv_freq[type], c->rotary_dim[type], \
         c->rope_scaling[type], (KV *)L->kc, (KV *)L->vc, L->rows, (const int *)g->pos, c->norm_eps)
-        if (!fused_decode_attention(g, l, n)) KV_SWITCH(g, QKR);     /* else: done inside the attention kernel */
+        /* else: done inside the attention kernel */
+        if (!fused_decode_attention(g, l, n) && !(long_decode_attention(g, l, n) && g->long_fold)) KV_SWITCH(g, QKR);
 #undef QKR
         attention(g, l, n, pos);
         prof_mark(g, "attention");

@@ -318,9 +318,9 @@ static void attn_case(const char *name, int n, int pos, int nh, int nkv, int win
     auto flash = [&](int nsplit, float *out) {
         dim3 grid(rb, nkv, nsplit);
         if (warps == 1) attention_flash<bf16, 128, 1><<<grid, 32, flash_smem_bytes(128), s>>>(qkvg, NQ, n, g, nh, kc, vc, rows, KVD,
-            pos_d, window, 1 /* causal */, nsplit, part_o, part_ml, scale_log2, out, gate_off, 1, (bf16 *)NULL);
+            pos_d, window, 1 /* causal */, nsplit, part_o, part_ml, scale_log2, out, gate_off, 1, (bf16 *)NULL, FlashLong{});
         else attention_flash<bf16, 128, 4><<<grid, 128, flash_smem_bytes(128), s>>>(qkvg, NQ, n, g, nh, kc, vc, rows, KVD,
-            pos_d, window, 1 /* causal */, nsplit, part_o, part_ml, scale_log2, out, gate_off, 1, (bf16 *)NULL);
+            pos_d, window, 1 /* causal */, nsplit, part_o, part_ml, scale_log2, out, gate_off, 1, (bf16 *)NULL, FlashLong{});
         LAUNCH_CHECK();
         if (nsplit > 1) {
             attention_combine<<<n * nh, D, 0, s>>>(out, part_o, part_ml, nsplit, nh, D, qkvg, NQ, gate_off, 1, (bf16 *)NULL);

@@ -186,22 +186,28 @@ def test_gpu_long_context_decode_attention(laguna_gpu, exported, kv, tmp_path):
     plain launches with either cache. With an e4m3 cache the logits are printed, not held to the bar: the two paths
     compute k in different kernels, and a last-bit difference that moves one element across an e4m3 rounding
     boundary (3 mantissa bits) moves every later row (measured 0.906, the same as the fused GPU path against the
-    CPU's --kv fp8 on this fixture; see the fp8 section below)."""
-    name, env = "xs21_bf16", dict(os.environ, LAGUNA_LONG_FROM="0")
+    CPU's --kv fp8 on this fixture; see the fp8 section below).
+    In both of its forms: the q/k norm and RoPE inside the kernel (the default) and in a launch before it
+    (LAGUNA_LONG_FOLD=0)."""
+    name = "xs21_bf16"
     fused, _ = score(laguna_gpu, exported(name), fx(name, "score.txt"), tmp_path, "--chunk", "1", "--kv", kv)
-    long, _ = score(laguna_gpu, exported(name), fx(name, "score.txt"), tmp_path, "--chunk", "1", "--kv", kv, env=env)
-    d = float(np.abs(long - fused).max())
     prompt = open(fx(name, "prompt.txt")).read().strip()
     args = [laguna_gpu, exported(name), "--ids", prompt, "-t", "0", "-n", "32", "-q", "--kv", kv]
     g_fused = run(args).stdout.split()
-    g_long = run(args, env=env).stdout.split()
-    g_plain = run(args, env=dict(env, LAGUNA_NO_GRAPH="1")).stdout.split()
-    print(f"\n[gpu] {name} --kv {kv}, long-context attention from position 0: max |long - fused| = {d:.3g} (bar "
-          f"{TOL_BF16 if kv == 'bf16' else 'none, e4m3'}); greedy 32 tokens == fused {g_long == g_fused}, "
-          f"graph == plain launches {g_long == g_plain}")
-    assert np.isfinite(long).all() and len(g_long) == 32 and g_long == g_fused and g_long == g_plain
-    if kv == "bf16":
-        assert d <= TOL_BF16
+    forms = {"q/k norm inside": {}, "q/k norm a launch before": {"LAGUNA_LONG_FOLD": "0"}}
+    for form, extra in forms.items():
+        env = dict(os.environ, LAGUNA_LONG_FROM="0", **extra)
+        long, _ = score(laguna_gpu, exported(name), fx(name, "score.txt"), tmp_path, "--chunk", "1", "--kv", kv,
+                        env=env)
+        d = float(np.abs(long - fused).max())
+        g_long = run(args, env=env).stdout.split()
+        g_plain = run(args, env=dict(env, LAGUNA_NO_GRAPH="1")).stdout.split()
+        print(f"\n[gpu] {name} --kv {kv}, long-context attention ({form}) from position 0: max |long - fused| = "
+              f"{d:.3g} (bar {TOL_BF16 if kv == 'bf16' else 'none, e4m3'}); greedy 32 tokens == fused "
+              f"{g_long == g_fused}, graph == plain launches {g_long == g_plain}")
+        assert np.isfinite(long).all() and len(g_long) == 32 and g_long == g_fused and g_long == g_plain
+        if kv == "bf16":
+            assert d <= TOL_BF16
 
 
 @pytest.mark.parametrize("name", ["xs2_f32", "variant", "long"])
