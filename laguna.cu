@@ -4689,7 +4689,7 @@ static void matvec_dt(GpuModel *g, int dt, float *out, const void *w, int rows, 
 
 /* One token on a full layer at long context: the fused kernel's tile loop does its q.k and p.v on CUDA cores, ~1,500
  * FMAs per 512 bytes of K/V (GQA group 6), and streams only ~0.8 TB/s; the tensor-core flash kernel with its 4 warps
- * splitting each tile's keys (attention_flash<KS>, after qk_norm_rope_kernel, merged by attention_combine_one)
+ * splitting each tile's keys (attention_flash<KS>, the q/k norm and RoPE inside, merged by attention_combine_one)
  * streams ~3 TB/s at 32K-128K (~2.2 at 8K, round 38). Measured on the H200 (dev/gpu_notes.md, round 6): decode at 8K /
  * 32K / 128K 290.5 / 214.3 / 104 tok/s before, 316.8 / 290.9 / 215.5 after; at 512 the two extra launches cost 0.8%, at 2048 it was 1.8%
  * faster and at 4096 4.5% (round 7), against the fused kernel's global merge over many splits. Full layers' fused
@@ -4698,7 +4698,8 @@ static void matvec_dt(GpuModel *g, int dt, float *out, const void *w, int rows, 
  * (round 26; q8 / q4 files lost 1.5-2% there, so theirs stays 2560). So positions below long_from (bf16 3584: at most
  * 224 keys, 7 tiles, a split) keep the fused kernel (a second decode graph). Serves bf16 files with a bf16 or fp8
  * cache (the flash kernel's inputs). Its merge loading every split at once (round 38, H100): 8K 353.4 -> 362.0 tok/s,
- * 32K 313.2 -> 319.8. */
+ * 32K 313.2 -> 319.8. The q/k norm inside it (round 39, H100): one launch less a full layer; bf16 cache unchanged
+ * (361.9 -> 362.0 at 8K), fp8 cache 361.7 -> 365.0. */
 static int long_capable(const GpuModel *g, int l) {   /* could layer l take attention_flash<KS> (from long_from)? */
     return g->c.layer_type[l] == ATTN_FULL && g->c.causal && g->kv != KV_F32 && g->bf && !g->attn_scalar &&
            g->L[l].nh / g->c.n_kv_heads <= 16;
