@@ -4714,6 +4714,11 @@ static int fused_decode_attention(const GpuModel *g, int l, int n) {
            (D == 16 || D == 32 || D == 64 || D == 128) && !long_decode_attention(g, l, n);
 }
 
+/* does layer l's attention kernel do the q/k norm, RoPE and the K/V append itself (else qk_norm_rope_kernel first)? */
+static int attention_norms_qk(const GpuModel *g, int l, int n) {
+    return fused_decode_attention(g, l, n) || (long_decode_attention(g, l, n) && g->long_fold);
+}
+
 /* Full layers' one-token fused attention as clusters too, where it never sees more than full_cluster_keys keys: below
  * long_from where the long-context kernel takes the rest, or a context that small. A cluster of 16 splits then runs
  * at most 224 keys a split (7 tiles at D = 128) and merges in shared memory; the global merge (up to 4 blocks an SM
@@ -5124,8 +5129,7 @@ static void forward_gpu(GpuModel *g, int n, int pos, int all_logits) {
 #define QKR(KV) launch(g, qk_norm_rope_kernel<KV>, rg, dim3(128), 0, g->qkvg, L->NQ, L->nh, c->n_kv_heads, D, \
         (const float *)L->q_norm, (const float *)L->k_norm, (const float *)g->inv_freq[type], c->rotary_dim[type], \
         c->rope_scaling[type], (KV *)L->kc, (KV *)L->vc, L->rows, (const int *)g->pos, c->norm_eps)
-        /* else: done inside the attention kernel */
-        if (!fused_decode_attention(g, l, n) && !(long_decode_attention(g, l, n) && g->long_fold)) KV_SWITCH(g, QKR);
+        if (!attention_norms_qk(g, l, n)) KV_SWITCH(g, QKR);
 #undef QKR
         attention(g, l, n, pos);
         prof_mark(g, "attention");
