@@ -1080,9 +1080,32 @@ __global__ void add_bias_kernel(float *y, const float *b, int n, int d) {
     if (i < (size_t)n * d) y[i] += b[i % d];
 }
 
-/* Per-head q/k RMSNorm (one [D] weight shared by all heads), NeoX RoPE on the first rd dims, and the K/V
- * append at row pos % rows. One warp per head vector: nh query heads, then nkv key heads, then nkv value heads.
- * q is rewritten in place in the projection buffer; k and v go to the cache. */
+/* ---- per-head q/k RMSNorm and NeoX RoPE ----
+ * The same three steps in qk_norm_rope_kernel and in the two one-token attention kernels that do it themselves
+ * (attention_decode_fused, attention_flash<KS>): x -> w * x / rms(x) with one [D] weight shared by all heads, then
+ * the first rd dims rotated in pairs (d, d + rd / 2) by the angle pos * inv_freq[d mod rd / 2].
+ * RoPE's table at position pos: cs[i] = cos(pos * inv_freq[i]) * scaling, sn[i] likewise (the threads of a block
+ * share it, thread tid of nthreads filling every nthreads-th entry) */
+__device__ __forceinline__ void rope_table(float *cs, float *sn, int pos, const float *inv_freq, int rd, float scaling,
+                                           int tid, int nthreads) {
+    for (int i = tid; i < rd / 2; i += nthreads) {
+        float f = (float)pos * inv_freq[i];
+        cs[i] = cosf(f) * scaling;
+        sn[i] = sinf(f) * scaling;
+    }
+}
+/* 1 / rms of a D-vector from each lane's sum of squares over its dims (a warp a vector) */
+__device__ __forceinline__ float rms_inv(float ss, int D, float eps) { return 1.0f / sqrtf(warp_sum(ss) / D + eps); }
+/* dim d of a normed vector after RoPE: x its value, xe its partner's (dim d + rd / 2, or d - rd / 2); past rd as is */
+__device__ __forceinline__ float rope_dim(int d, int rd, float x, float xe, const float *cs, const float *sn) {
+    if (d >= rd) return x;
+    const int half = rd / 2, i = d < half ? d : d - half;
+    return d < half ? x * cs[i] - xe * sn[i] : x * cs[i] + xe * sn[i];
+}
+
+/* The q/k norm, RoPE and the K/V append at row pos % rows, for n tokens (prefill, verify, the drafter and short
+ * one-token contexts). A block a token (blockIdx.x) and four head vectors, a warp each: nh query heads, then nkv key
+ * heads, then nkv value heads. q is rewritten in place in the projection buffer; k and v go to the cache. */
 template <typename KV>
 __global__ void qk_norm_rope_kernel(float *qkvg, int NQ, int nh, int nkv, int D, const float *q_norm,
                                     const float *k_norm, const float *inv_freq, int rd, float scaling,
@@ -1090,11 +1113,13 @@ __global__ void qk_norm_rope_kernel(float *qkvg, int NQ, int nh, int nkv, int D,
     TRACE_BLOCK();
     griddep_wait();
     griddep_launch();
-    __shared__ float buf[4][256];
+    __shared__ float buf[4][256], cs[128], sn[128];    /* (D <= 256) */
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int t = blockIdx.x, vi = blockIdx.y * 4 + warp;
-    if (vi >= nh + 2 * nkv) return;
     int p = *pos_ptr + t, KVD = nkv * D;
+    rope_table(cs, sn, p, inv_freq, rd, scaling, threadIdx.x, blockDim.x);
+    __syncthreads();
+    if (vi >= nh + 2 * nkv) return;
     float *v = qkvg + (size_t)t * NQ + (size_t)vi * D;    /* q heads, then k, then v: contiguous */
     size_t crow = (size_t)(p % rows) * KVD;
     if (vi >= nh + nkv) {                                  /* v: copied as is */
@@ -1105,19 +1130,13 @@ __global__ void qk_norm_rope_kernel(float *qkvg, int NQ, int nh, int nkv, int D,
     const float *nw = vi < nh ? q_norm : k_norm;
     float ss = 0.0f;
     for (int d = lane; d < D; d += 32) ss += v[d] * v[d];
-    float inv = 1.0f / sqrtf(warp_sum(ss) / D + eps);
+    float inv = rms_inv(ss, D, eps);
     float *b = buf[warp];
     for (int d = lane; d < D; d += 32) b[d] = nw[d] * (v[d] * inv);
     __syncwarp();
     int half = rd / 2;
     for (int d = lane; d < D; d += 32) {
-        float o = b[d];
-        if (d < rd) {
-            int i = d < half ? d : d - half;
-            float f = (float)p * inv_freq[i];
-            float c = cosf(f) * scaling, s = sinf(f) * scaling;
-            o = d < half ? b[d] * c - b[d + half] * s : b[d] * c + b[d - half] * s;
-        }
+        float o = rope_dim(d, rd, b[d], d < rd ? b[d < half ? d + half : d - half] : 0.0f, cs, sn);
         if (vi < nh) v[d] = o;
         else kc[crow + (vi - nh) * D + d] = from_f<KV>(o);
     }
@@ -1280,11 +1299,7 @@ attention_flash(const float *qkvg, int NQ, int n, int g, int nh, KV *kc, KV *vc,
     const bool early = KS && k_begin < k_end && min(k_end, k_begin + BN) <= pos;
     if (early) load(0, k_begin);
     if (fold) {
-        for (int i = threadIdx.x; i < fl.rd / 2; i += WARPS * 32) {
-            float f = (float)pos * fl.inv_freq[i];
-            cs[i] = cosf(f) * fl.scaling;
-            sn[i] = sinf(f) * fl.scaling;
-        }
+        rope_table(cs, sn, pos, fl.inv_freq, fl.rd, fl.scaling, threadIdx.x, WARPS * 32);
         __syncthreads();
     }
     griddep_wait();
@@ -1311,7 +1326,7 @@ attention_flash(const float *qkvg, int NQ, int n, int g, int nh, KV *kc, KV *vc,
                         if (lane + 32 * i < D) vc[crow + lane + 32 * i] = from_f<KV>(xv[i]);
                     continue;
                 }
-                const float inv = 1.0f / sqrtf(warp_sum(ss) / D + fl.eps);
+                const float inv = rms_inv(ss, D, fl.eps);
                 const float *nw = j < g ? fl.q_norm : fl.k_norm;
                 float *b = qs[j < g ? j : FLASH_GMAX];
 #pragma unroll
@@ -1321,9 +1336,8 @@ attention_flash(const float *qkvg, int NQ, int n, int g, int nh, KV *kc, KV *vc,
                 const int half = fl.rd / 2;
 #pragma unroll
                 for (int i = 0; i < EL; i++) {
-                    const int d = lane + 32 * i, k = d < half ? d : d - half;
-                    if (d < fl.rd) xv[i] = d < half ? b[d] * cs[k] - b[d + half] * sn[k] : b[d] * cs[k] + b[d - half] * sn[k];
-                    else if (d < D) xv[i] = b[d];
+                    const int d = lane + 32 * i;
+                    if (d < D) xv[i] = rope_dim(d, fl.rd, b[d], d < fl.rd ? b[d < half ? d + half : d - half] : 0.0f, cs, sn);
                 }
                 __syncwarp();
 #pragma unroll
@@ -1646,11 +1660,7 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
     if (!CL && split >= nact) return;                   /* no keys here (the grid is sized for the whole context) */
     KV8 kr[2], vr[2];
     kv_tile_load<KV, D>(kc, vc, rows, KVD, kvh, kb, ke, pos, kr, vr);    /* before the wait: older rows only */
-    for (int i = tid; i < rd / 2; i += 256) {           /* RoPE's angles need only the position: also before */
-        float f = (float)pos * inv_freq[i];
-        cs[i] = cosf(f) * rscale;
-        sn[i] = sinf(f) * rscale;
-    }
+    rope_table(cs, sn, pos, inv_freq, rd, rscale, tid, 256);   /* RoPE's angles need only the position: also before */
     for (int i = tid; i < D; i += 256) { nws[0][i] = q_norm[i]; nws[1][i] = k_norm[i]; }
     /* REG: a warp a vector straight from global memory into registers, lane l holding dims l, l + 32, ...: the sum
      * of squares in the same order as the shared-memory path below (so the same bits), and each dim's RoPE partner
@@ -1666,13 +1676,8 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
      * partner (dim d -+ rd / 2), inv the vector's 1 / rms */
     auto qk_elem = [&](int j, int d, float xd, float xe, float inv) {
         const float *nw = nws[j < g ? 0 : 1];
-        float o = nw[d] * (xd * inv);
-        if (d < rd) {
-            int half = rd / 2, i = d < half ? d : d - half, e = d < half ? d + half : d - half;
-            float other = nw[e] * (xe * inv);
-            o = d < half ? o * cs[i] - other * sn[i] : o * cs[i] + other * sn[i];
-        }
-        return o;
+        const int e = d < rd / 2 ? d + rd / 2 : d - rd / 2;
+        return rope_dim(d, rd, nw[d] * (xd * inv), d < rd ? nw[e] * (xe * inv) : 0.0f, cs, sn);
     };
     auto put = [&](int j, int d, float o) {             /* a q head's element scaled into qs; k / v into the cache */
         if (j < g) { qs[j][qs_swz(d)] = o * scale_log2; return; }
@@ -1709,7 +1714,7 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
             float ss = 0.0f;
 #pragma unroll
             for (int i = 0; i < EL; i++) ss += xr[r][i] * xr[r][i];
-            const float inv = 1.0f / sqrtf(warp_sum(ss) / D + eps);
+            const float inv = rms_inv(ss, D, eps);
             if (r == 0) TRACE_MARK_IF(1, 0);            /* (set 1: thread 0's first vector in and its norm) */
             const int hs = rd / 64;                     /* the partner: hs elements of this lane away */
 #pragma unroll
@@ -1757,7 +1762,7 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
             }
             float ss = 0.0f;
             for (int d = lane; d < D; d += 32) ss += b[d] * b[d];
-            const float inv = 1.0f / sqrtf(warp_sum(ss) / D + eps);
+            const float inv = rms_inv(ss, D, eps);
             for (int d = lane; d < D; d += 32) {
                 const int half = rd / 2;
                 put(j, d, qk_elem(j, d, b[d], d < rd ? b[d < half ? d + half : d - half] : 0.0f, inv));
