@@ -192,15 +192,17 @@ def convert(arr, src_dtype, dst):
 
 
 # -----------------------------------------------------------------------------
-# RoPE tables, computed step by step in fp32 exactly as transformers 5.17 does
-# (modeling_rope_utils: default / linear / yarn), so the C side just reads them.
+# RoPE tables, computed step by step in fp32 exactly as transformers does (modeling_rope_utils: default / linear /
+# yarn / llama3 / dynamic / proportional), so the C side just reads them. Where transformers writes `number / tensor`
+# torch computes reciprocal(tensor) * number (Tensor.__rtruediv__), and a Python number meets an fp32 tensor as fp32.
 
 F32 = np.float32
 
 
 def _pow_f32(base, expo):
-    # torch computes base ** x in fp32; the correctly rounded fp32 of the double result matches it
-    return np.array([math.pow(float(base), float(e)) for e in expo], dtype=np.float64).astype(F32)
+    # torch computes base ** x in fp32 (the base rounded to fp32 first); the correctly rounded fp32 of the double
+    # result matches it for the real checkpoints' tables (torch's own powf can be 1 ulp off elsewhere)
+    return np.array([math.pow(float(F32(base)), float(e)) for e in expo], dtype=np.float64).astype(F32)
 
 
 def rope_default_inv_freq(base, dim):
@@ -246,8 +248,52 @@ def rope_yarn(base, dim, p, max_pos, truncate):
     return inv_freq.astype(F32), float(attention_factor)
 
 
+def rope_llama3(base, dim, p):
+    """Llama 3's rule: wavelengths longer than original / low_freq_factor slowed by factor, shorter than original /
+    high_freq_factor kept, a linear blend between (fixed tables: they do not change with the sequence)"""
+    for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+        if p.get(k) is None:
+            raise ExportError(f"llama3 RoPE needs {k}", "transformers refuses such a config too")
+    factor, lo, hi = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+    old = p["original_max_position_embeddings"]
+    if hi == lo:
+        raise ExportError("llama3 RoPE with high_freq_factor == low_freq_factor (a division by zero in its blend)")
+    inv = rope_default_inv_freq(base, dim)
+    wavelen = (F32(1) / inv) * F32(2 * math.pi)
+    long_wl, short_wl = F32(old / lo), F32(old / hi)
+    slowed = np.where(wavelen > long_wl, inv / F32(factor), inv).astype(F32)
+    smooth = ((F32(1) / wavelen) * F32(old) - F32(lo)) / F32(hi - lo)
+    blended = (((F32(1) - smooth) * slowed) / F32(factor) + smooth * slowed).astype(F32)
+    medium = ~(wavelen < short_wl) & ~(wavelen > long_wl)
+    return np.where(medium, blended, slowed).astype(F32), 1.0
+
+
+def rope_dynamic(base, dim, p, max_pos):
+    """dynamic NTK: the base grows once the sequence passes max_position_embeddings. laguna's context (-c) never
+    does, so its table is transformers' table at init: the base at sequence length max_position_embeddings"""
+    factor = p.get("factor")
+    if factor is None:
+        raise ExportError("dynamic RoPE needs a factor")
+    if dim <= 2:
+        raise ExportError(f"dynamic RoPE with rotary dim {dim} (its exponent dim / (dim - 2) is undefined)")
+    base = base * ((factor * max_pos / max_pos) - (factor - 1)) ** (dim / (dim - 2))
+    return rope_default_inv_freq(base, dim), 1.0
+
+
+def rope_proportional(base, head_dim, p):
+    """proportional: every dim of the head rotates in pairs (d, d + head_dim / 2), the first partial_rotary_factor
+    of the pairs at base ** (-2i / head_dim) / factor, the rest at frequency 0 (cos 1, sin 0: unchanged)"""
+    angles = int(p.get("partial_rotary_factor", 1.0) * head_dim // 2)
+    expo = np.arange(0, 2 * angles, 2, dtype=np.int64).astype(F32) / F32(head_dim)
+    inv = np.zeros(head_dim // 2, dtype=F32)
+    inv[:angles] = F32(1.0) / _pow_f32(base, expo)
+    return (inv / F32(p.get("factor", 1.0))).astype(F32), 1.0
+
+
 def rope_tables(rope, head_dim, max_pos, truncate):
-    """rope: {'full_attention': {...}, 'sliding_attention': {...}} -> {type: (inv_freq, scaling, rotary_dim)}"""
+    """rope: {'full_attention': {...}, 'sliding_attention': {...}} -> {type: (inv_freq, scaling, rotary_dim)}
+    rotary_dim is twice the table's length: transformers rotates that many leading dims of a head in pairs (d, d +
+    rotary_dim / 2). For an odd head_dim * partial_rotary_factor its table has (dim + 1) / 2 entries, so one more."""
     out = {}
     for lt, p in rope.items():
         rtype = p.get("rope_type", p.get("type", "default"))
@@ -255,20 +301,33 @@ def rope_tables(rope, head_dim, max_pos, truncate):
         if base is None:
             raise ExportError(f"rope_parameters[{lt!r}] has no rope_theta")
         dim = int(head_dim * p.get("partial_rotary_factor", 1.0))
-        if dim <= 0 or dim % 2 or dim > head_dim:
-            raise ExportError(f"rope_parameters[{lt!r}]: rotary dim {dim} is not an even number in (0, {head_dim}]")
+        if dim <= 0 or dim > head_dim:
+            raise ExportError(f"rope_parameters[{lt!r}]: rotary dim {dim} is not in (0, {head_dim}]",
+                              "partial_rotary_factor must be in (0, 1]")
         if rtype == "default":
-            out[lt] = (rope_default_inv_freq(base, dim), 1.0, dim)
+            inv, scale = rope_default_inv_freq(base, dim), 1.0
         elif rtype == "linear":
-            out[lt] = ((rope_default_inv_freq(base, dim) / F32(p["factor"])).astype(F32), 1.0, dim)
+            inv, scale = (rope_default_inv_freq(base, dim) / F32(p["factor"])).astype(F32), 1.0
         elif rtype == "yarn":
             if "factor" not in p:
                 raise ExportError(f"rope_parameters[{lt!r}] is yarn but has no factor")
+            if dim % 2:
+                raise ExportError(f"rope_parameters[{lt!r}]: yarn with an odd rotary dim {dim}",
+                                  "transformers fails on it too (its ramp has dim // 2 entries, the table one more)")
             inv, scale = rope_yarn(base, dim, p, max_pos, truncate)
-            out[lt] = (inv, scale, dim)
+        elif rtype == "llama3":
+            inv, scale = rope_llama3(base, dim, p)
+        elif rtype == "dynamic":
+            inv, scale = rope_dynamic(base, dim, p, max_pos)
+        elif rtype == "proportional":
+            inv, scale = rope_proportional(base, head_dim, p)
         else:
             raise ExportError(f"rope_parameters[{lt!r}] has rope_type {rtype!r}, which laguna does not implement",
-                              "supported: default, linear, yarn (dynamic / longrope / llama3 change with the sequence)")
+                              "supported: default, linear, yarn, llama3, dynamic, proportional (longrope switches "
+                              "tables with the sequence length)")
+        if 2 * len(inv) > head_dim:
+            raise ExportError(f"rope_parameters[{lt!r}]: {2 * len(inv)} rotary dims in a head of {head_dim}")
+        out[lt] = (inv, scale, 2 * len(inv))
     return out
 
 

@@ -10,6 +10,8 @@ itself drifts that far -- no farther from transformers' fp64 logits than twice t
 
     python3 dev/config_fuzz.py [N] [seed]        (default 30 configs, seed 1; prints one line per config)
     python3 dev/config_fuzz.py --gpu [N] [seed]  (a GPU build of ./laguna, `make cuda`: the GPU too, see below)
+    python3 dev/config_fuzz.py --ropes [N] [seed]  (every fixed-table RoPE kind: llama3, dynamic and proportional
+                                                    too, and odd rotary dims; with or without --gpu)
 
 With --gpu, head_dim is drawn from what the GPU backend takes (16, 32, 64; now and then 8, which it must refuse with a
 message, counted apart) and every config also runs on the GPU with an f32 KV cache, one pass (the n-token kernels)
@@ -70,6 +72,37 @@ def random_config(rng, gpu=False):
                 rope_parameters={"full_attention": full, "sliding_attention": sliding})
 
 
+def wider_ropes(cd, rng):
+    """--ropes: each layer type's RoPE drawn again from every fixed-table kind transformers has (llama3, dynamic,
+    proportional too) with partial factors that give odd rotary dims. A second generator, so that the configs of a
+    seed without --ropes stay what they were."""
+    D = cd["head_dim"]
+    for lt, theta in (("full_attention", 500000.0), ("sliding_attention", 10000.0)):
+        prf = rng.choice([1.0, 0.5, 0.25, 0.3125, 0.375, 0.6])
+        kind = rng.choice(["default", "linear", "yarn", "llama3", "dynamic", "proportional"])
+        p = {"rope_type": kind, "rope_theta": theta, "partial_rotary_factor": prf}
+        if kind == "linear":
+            p["factor"] = rng.choice([2.0, 4.0])
+        elif kind == "yarn":
+            p = dict(XS21_FULL, factor=rng.choice([4.0, 32.0]),
+                     partial_rotary_factor=rng.choice([1.0, 0.5, 0.25]))   # (odd dims: transformers fails)
+        elif kind == "llama3":
+            p.update(factor=rng.choice([8.0, 32.0]), low_freq_factor=1.0, high_freq_factor=rng.choice([4.0, 8.0]),
+                     original_max_position_embeddings=rng.choice([8, 16, 64]))   # (wavelengths of a few tokens)
+        elif kind == "dynamic":
+            p["factor"] = rng.choice([2.0, 4.0])
+            if int(D * prf) <= 2:
+                p["partial_rotary_factor"] = 1.0
+        elif kind == "proportional" and rng.random() < 0.5:
+            p["factor"] = rng.choice([2.0, 8.0])
+        cd["rope_parameters"][lt] = p
+    return cd
+
+
+def rope_summary(p):
+    return f"{p.get('rope_type')}/{p.get('partial_rotary_factor', 1.0)}"
+
+
 def gpu_checks(laguna, binf, idf, d, T, dtype, want, want64, drift, cpu):
     """The GPU's logits (f32 KV cache) one pass and token by token: (label, max diff, ok) each, or a refusal's text"""
     out = []
@@ -93,15 +126,18 @@ def gpu_checks(laguna, binf, idf, d, T, dtype, want, want64, drift, cpu):
 
 def main():
     args = sys.argv[1:]
-    gpu = "--gpu" in args
-    args = [a for a in args if a != "--gpu"]
+    gpu, ropes = "--gpu" in args, "--ropes" in args
+    args = [a for a in args if a not in ("--gpu", "--ropes")]
     n = int(args[0]) if len(args) > 0 else 30
     seed = int(args[1]) if len(args) > 1 else 1
     rng = random.Random(seed)
+    rope_rng = random.Random(seed * 7919 + 1) if ropes else None
     laguna = os.path.join(ROOT, "laguna")
     worst, bad, refused, gpu_refused, gpu_worst = 0.0, 0, 0, 0, 0.0
     for i in range(n):
         cd = random_config(rng, gpu)
+        if rope_rng:
+            wider_ropes(cd, rope_rng)
         dtype = rng.choice(["f32", "bf16"])
         try:
             cfg = LagunaConfig(**cd)
@@ -132,8 +168,9 @@ def main():
                        f"{''.join(t[0] for t in cfg.mlp_layer_types)} W{cfg.sliding_window} E{cfg.num_experts}"
                        f"k{cfg.num_experts_per_tok} gating={cfg.gating} bias={cfg.attention_bias} "
                        f"cap={cfg.moe_router_logit_softcapping} tied={cfg.tie_word_embeddings} "
-                       f"rope={cd['rope_parameters']['full_attention'].get('rope_type')}/"
-                       f"{cd['rope_parameters']['full_attention']['partial_rotary_factor']} {dtype} T{T}")
+                       f"rope={rope_summary(cd['rope_parameters']['full_attention'])}"
+                       + (f",{rope_summary(cd['rope_parameters']['sliding_attention'])}" if rope_rng else "")
+                       + f" {dtype} T{T}")
             r = subprocess.run([sys.executable, os.path.join(ROOT, "export.py"), "-q", hf, binf],
                                capture_output=True, text=True)
             if r.returncode:

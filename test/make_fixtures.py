@@ -80,6 +80,15 @@ FIXTURES = {
                 dtype="f32", prompt_len=12, gen=8),
     # tied embeddings (no lm_head on disk) and gating=false, which transformers reads as per-element
     "tied": dict(cfg=base_config(tie_word_embeddings=True, gating=False), dtype="f32", prompt_len=20, gen=12),
+    # the other fixed-table RoPE kinds: llama3 on full layers with an odd rotary dim (16 * 0.3125 = 5: transformers
+    # rotates 6 dims, a table of 3), proportional on sliding layers (every dim in pairs, half at frequency 0)
+    "ropes": dict(cfg=base_config(rope_parameters={
+        "full_attention": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                           "high_freq_factor": 4.0, "original_max_position_embeddings": 8,
+                           "partial_rotary_factor": 0.3125},
+        "sliding_attention": {"rope_type": "proportional", "rope_theta": 10000.0, "factor": 2.0,
+                              "partial_rotary_factor": 0.5}}),
+        dtype="f32", prompt_len=40, gen=16),
     # a long run: thousands of positions, many trips around the sliding ring
     "long": dict(cfg=base_config(vocab_size=256, sliding_window=16,
                                  rope_parameters={"full_attention": dict(XS21_FULL),
@@ -307,6 +316,16 @@ def rope_cases():
                            "sliding_attention": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}},
         "mscale": {"full_attention": {k: v for k, v in dict(XS2_FULL, mscale=1.0, mscale_all_dim=0.5).items()
                                       if k != "attention_factor"}, "sliding_attention": SLIDING},
+        "llama3": {"full_attention": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                      "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                      "original_max_position_embeddings": 8192, "partial_rotary_factor": 0.5},
+                   "sliding_attention": SLIDING},
+        "dynamic": {"full_attention": {"rope_type": "dynamic", "rope_theta": 500000.0, "factor": 4.0,
+                                       "partial_rotary_factor": 0.5},
+                    "sliding_attention": dict(SLIDING, rope_type="dynamic", factor=2.0)},
+        "proportional": {"full_attention": {"rope_type": "proportional", "rope_theta": 500000.0, "factor": 8.0,
+                                            "partial_rotary_factor": 0.25},
+                         "sliding_attention": dict(SLIDING, rope_type="proportional")},
     }
     out = {}
     for name, rp in cases.items():

@@ -22,7 +22,7 @@ from conftest import FIXTURES, ROOT, run
 
 TOL_F32 = 1e-4       # same bar as the CPU: the fp32 path is fp32 end to end
 TOL_BF16 = 3e-2      # bf16 weights/KV/GEMM inputs on logits of magnitude ~0.5-1
-NAMES = ["xs2_f32", "xs21_bf16", "variant", "long"]
+NAMES = ["xs2_f32", "xs21_bf16", "variant", "long", "ropes"]
 BF16 = {"xs21_bf16"}
 
 
@@ -113,7 +113,7 @@ def test_gpu_logits_match_transformers_and_cpu(laguna_gpu, exported, name, tmp_p
     assert d_ref <= tol(name) and d_cpu <= tol(name)
 
 
-@pytest.mark.parametrize("name", ["xs2_f32", "xs21_bf16", "variant"])
+@pytest.mark.parametrize("name", ["xs2_f32", "xs21_bf16", "variant", "ropes"])
 def test_gpu_greedy_identical(laguna_gpu, exported, name):
     prompt = open(fx(name, "prompt.txt")).read().strip()
     want = read_ids(fx(name, "greedy.txt"))

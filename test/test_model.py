@@ -13,7 +13,7 @@ from conftest import FIXTURES, ROOT, run
 
 import export  # noqa: E402
 
-NAMES = ["xs2_f32", "xs21_bf16", "variant", "long", "tied"]
+NAMES = ["xs2_f32", "xs21_bf16", "variant", "long", "tied", "ropes"]
 TOL = 1e-4   # max |logit - reference|
 
 
@@ -46,7 +46,7 @@ def test_logits_match_transformers(laguna, exported, name, tmp_path):
     assert diff <= TOL
 
 
-@pytest.mark.parametrize("name", ["xs2_f32", "variant", "long"])
+@pytest.mark.parametrize("name", ["xs2_f32", "variant", "long", "ropes"])
 def test_token_by_token_and_offset_chunks_match(laguna, exported, name, tmp_path):
     """--chunk 1 is decoding one token at a time with the KV cache; --chunk 7 runs n-token forwards
     at offsets. Both must give the logits of the one-pass reference."""
@@ -61,7 +61,7 @@ def test_token_by_token_and_offset_chunks_match(laguna, exported, name, tmp_path
         assert d_self <= TOL and d_ref <= TOL
 
 
-@pytest.mark.parametrize("name", ["xs2_f32", "xs21_bf16", "variant", "tied"])
+@pytest.mark.parametrize("name", ["xs2_f32", "xs21_bf16", "variant", "tied", "ropes"])
 def test_greedy_continuation_identical(laguna, exported, name):
     prompt = open(fixture_file(name, "prompt.txt")).read().strip()
     want = read_ids(fixture_file(name, "greedy.txt"))
@@ -125,14 +125,16 @@ def test_rope_config_drift_cases(tmp_path):
                 export.read_config(str(d), warn=notes.append)
             continue
         c = export.read_config(str(d), warn=notes.append)
-        want = case.get("tables") or cases["xs21"]["tables"] if name == "mixed_flat_and_nested" else case.get("tables")
-        if name == "truncate_false":             # transformers 5.17 crashes on it; we honour the flag
-            inv, _, _ = c["rope"]["full_attention"]
-            inv_t = export.read_config(str(d), warn=notes.append)["rope"]["full_attention"][0]
-            assert (inv == inv_t).all()
-            continue
+        # (transformers 5.17 crashed on the flat key beside nested ones and on truncate: false; 5.25, which made
+        # rope_cases.json, reads them: the flat key ignored, truncate honoured)
+        want = case["tables"]
         if name == "mixed_flat_and_nested":
             assert any("flat" in n for n in notes)
+            assert want == cases["xs21"]["tables"]
+        if name == "truncate_false":
+            assert want["full_attention"] != cases["xs2"]["tables"]["full_attention"]
+        if name == "proportional":               # the whole head rotates, its last pairs at frequency 0
+            assert c["rope"]["full_attention"][2] == 128 and (c["rope"]["full_attention"][0][16:] == 0).all()
         for lt, t in want.items():
             inv, scale, _ = c["rope"][lt]
             assert " ".join("%08x" % x for x in inv.view(np.uint32)) == t["inv_freq"], (name, lt)
@@ -302,9 +304,13 @@ def test_export_config_refusals(tmp_path):
                            (dict(swa_attention_sink_enabled=True), "swa_attention_sink_enabled"),
                            (dict(hidden_act="gelu"), "hidden_act"),
                            (dict(rope_parameters={"full_attention": dict(cfg["rope_parameters"]["full_attention"],
-                                                                         rope_type="dynamic"),
+                                                                         rope_type="longrope"),
                                                   "sliding_attention": cfg["rope_parameters"]["sliding_attention"]}),
-                            "dynamic")):
+                            "longrope"),
+                           (dict(rope_parameters={"full_attention": dict(cfg["rope_parameters"]["full_attention"],
+                                                                         rope_type="llama3"),
+                                                  "sliding_attention": cfg["rope_parameters"]["sliding_attention"]}),
+                            "llama3 RoPE needs low_freq_factor")):
         (d / "config.json").write_text(json.dumps(dict(cfg, **change)))
         expect_error(export_cmd(d, tmp_path), phrase)
     # --ignore-key accepts a key the user vouches for
