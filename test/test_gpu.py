@@ -348,15 +348,16 @@ def test_gpu_decode_attention_head_dims(laguna_gpu, head_dim, tmp_path):
         assert d <= TOL_F32
 
 
-def test_gpu_random_configs(laguna_gpu):
+@pytest.mark.parametrize("flags,n,seed", [([], 16, 5), (["--ropes"], 8, 6)])
+def test_gpu_random_configs(laguna_gpu, flags, n, seed):
     """Random tiny configurations (dev/config_fuzz.py --gpu: layer / MLP patterns, per-layer head counts and GQA
     groups up to 12, head dims 16 / 32 / 64 and 8, which the GPU must refuse with a message, windows, 4-64 experts and
     top-1..8, gating kinds, attention bias, router softcapping, tied embeddings, rope variants, f32 and bf16
     checkpoints), each saved by transformers, exported and scored on the GPU with an f32 KV cache in one pass and token
-    by token: f32 checkpoints within 1e-4 of transformers (or its own fp32 drift), bf16 within 1e-4 of the CPU."""
-    n, seed = 16, 5
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "dev", "config_fuzz.py"), "--gpu", str(n), str(seed)],
-                       capture_output=True, text=True)
+    by token: f32 checkpoints within 1e-4 of transformers (or its own fp32 drift), bf16 within 1e-4 of the CPU.
+    --ropes: every fixed-table RoPE kind (llama3, dynamic, proportional too) and odd rotary dims."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "dev", "config_fuzz.py"), "--gpu", *flags, str(n),
+                        str(seed)], capture_output=True, text=True)
     lines = [line for line in r.stdout.splitlines() if line.startswith(("config", f"{n} configs", "GPU:"))]
     print("\n" + "\n".join(lines[-2:]))
     failed = [line for line in lines if line.startswith("config") and (" ok" not in line or "DIFFERS" in line)]
