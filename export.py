@@ -342,7 +342,7 @@ IGNORED_KEYS = {
     "num_attention_heads",  # only the default for num_attention_heads_per_layer
     # legacy keys present in released configs; transformers' Laguna ignores them
     "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "gating_types", "rope_theta",
-    "partial_rotary_factor", "swa_rope_parameters", "rope_scaling", "keys_to_ignore_at_inference",
+    "partial_rotary_factor", "swa_rope_parameters", "keys_to_ignore_at_inference",
     "return_dict", "output_hidden_states", "output_attentions", "chunk_size_feed_forward", "is_encoder_decoder",
     "tokenizer_class", "problem_type", "id2label", "label2id", "max_length", "generation_config",
     "moe_apply_router_weight_on_input", "dflash_config",
@@ -352,7 +352,7 @@ USED_KEYS = {
     "num_attention_heads_per_layer", "layer_types", "mlp_layer_types", "sliding_window",
     "moe_intermediate_size", "shared_expert_intermediate_size", "num_experts", "num_experts_per_tok",
     "moe_routed_scaling_factor", "moe_router_logit_softcapping", "rms_norm_eps", "max_position_embeddings",
-    "gating", "attention_bias", "rope_parameters",
+    "gating", "attention_bias", "rope_parameters", "rope_scaling",   # rope_scaling: transformers' alias of rope_parameters
 }
 
 
@@ -372,7 +372,7 @@ def read_config(hf_dir, ignore_keys=(), warn=print):
     if unknown:
         raise ExportError(f"config.json has keys laguna does not know: {', '.join(unknown)}",
                           "they may change the math; if you are sure they do not, pass --ignore-key KEY for each")
-    if cfg.get("hidden_act", "silu") != "silu":
+    if cfg.get("hidden_act", "silu") not in ("silu", "swish"):     # transformers: swish is silu
         raise ExportError(f"hidden_act {cfg['hidden_act']!r} is not supported (laguna implements silu)")
     if cfg.get("moe_apply_router_weight_on_input", False):
         raise ExportError("moe_apply_router_weight_on_input=true is not supported (transformers refuses it too)")
@@ -383,7 +383,9 @@ def read_config(hf_dir, ignore_keys=(), warn=print):
     c["hidden_size"] = cfg.get("hidden_size", 2048)
     c["n_layers"] = L
     c["n_kv_heads"] = cfg.get("num_key_value_heads", 8)
-    c["head_dim"] = cfg.get("head_dim") or c["hidden_size"] // cfg.get("num_attention_heads", 48)
+    # transformers' LagunaConfig defaults head_dim to 128 when the key is absent; a null head_dim falls back to
+    # hidden / heads, as its rotary embedding does (its attention cannot run one)
+    c["head_dim"] = cfg.get("head_dim", 128) or c["hidden_size"] // cfg.get("num_attention_heads", 48)
     heads = cfg.get("num_attention_heads_per_layer") or [cfg.get("num_attention_heads", 48)] * L
     lt = cfg.get("layer_types") or ["full_attention"] * L
     mt = cfg.get("mlp_layer_types") or ["dense"] + ["sparse"] * (L - 1)
@@ -410,6 +412,16 @@ def read_config(hf_dir, ignore_keys=(), warn=print):
     c["shared_expert_intermediate_size"] = cfg.get("shared_expert_intermediate_size", 512)
     c["num_experts"] = cfg.get("num_experts", 256)
     c["num_experts_per_tok"] = cfg.get("num_experts_per_tok", 8)
+    sizes = [("hidden_size", c["hidden_size"]), ("vocab_size", c["vocab_size"]), ("head_dim", c["head_dim"]),
+             ("num_key_value_heads", c["n_kv_heads"])]
+    if "dense" in mt:
+        sizes.append(("intermediate_size", c["intermediate_size"]))
+    if "sparse" in mt:
+        sizes += [(k, c[k]) for k in ("moe_intermediate_size", "shared_expert_intermediate_size", "num_experts")]
+    for key, v in sizes:
+        if not isinstance(v, int) or v <= 0:
+            raise ExportError(f"{key} is {v!r}; laguna needs a positive size",
+                              "a zero-width layer adds nothing: drop it from the checkpoint and its config")
     if "sparse" in mt and not (0 < c["num_experts_per_tok"] <= c["num_experts"]):
         raise ExportError(f"num_experts_per_tok {c['num_experts_per_tok']} not in 1..num_experts")
     c["routed_scaling_factor"] = float(cfg.get("moe_routed_scaling_factor", 1.0))
@@ -428,6 +440,12 @@ def read_config(hf_dir, ignore_keys=(), warn=print):
 
     # RoPE, per layer type, with transformers' defaults and drift rules (spec section 1.3)
     rp = cfg.get("rope_parameters")
+    if cfg.get("rope_scaling") is not None:
+        # transformers' config.rope_scaling is an alias whose setter overwrites rope_parameters (a null one is
+        # left alone here: transformers would lose the RoPE and fail)
+        if rp is not None and rp != cfg["rope_scaling"]:
+            warn("note: config.json has both rope_parameters and rope_scaling; rope_scaling wins, as in transformers")
+        rp = cfg["rope_scaling"]
     max_pos = c["max_position_embeddings"]
     defaults = {"full_attention": {"rope_type": "default", "rope_theta": 500000.0, "partial_rotary_factor": 0.5},
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}}
@@ -513,8 +531,20 @@ def is_norm_like(name):
             or (".norms." in name or "_norms." in name) and name.endswith(".weight"))
 
 
-def plan_tensors(ck, c, want_dtype):
-    """List what goes into the file, checking every shape against the config."""
+def same_values(ck, a, b, rows=4096):
+    """Whether checkpoint tensors a and b hold the same numbers (what torch.equal decides in transformers' tying)."""
+    n = ck.shape(a)[0]
+    for r in range(0, n, rows):
+        x = convert(ck.array(a, r, min(n, r + rows)), ck.dtype(a), DT_F32)
+        y = convert(ck.array(b, r, min(n, r + rows)), ck.dtype(b), DT_F32)
+        if not np.array_equal(x, y):
+            return False
+    return True
+
+
+def plan_tensors(ck, c, want_dtype, warn=print):
+    """List what goes into the file, checking every shape against the config. May clear c["tie_word_embeddings"]
+    (a checkpoint that holds a different lm_head), as transformers' loading does."""
     H, D, KV = c["hidden_size"], c["head_dim"], c["n_kv_heads"]
     E, I, S, F = c["num_experts"], c["moe_intermediate_size"], c["shared_expert_intermediate_size"], \
         c["intermediate_size"]
@@ -557,7 +587,21 @@ def plan_tensors(ck, c, want_dtype):
                 yield np.concatenate([convert(ck.array(n), ck.dtype(n), dt) for n in parts_per_expert(e)], axis=0)
         return names, dt, produce
 
-    direct("model.embed_tokens.weight", (V, H))
+    # tie_word_embeddings, as transformers loads it: with only lm_head.weight on disk the embedding is tied to it;
+    # with both on disk and different values they are not tied (transformers warns and keeps both)
+    tie, embed = c["tie_word_embeddings"], "model.embed_tokens.weight"
+    if tie and not ck.has(embed) and ck.has("lm_head.weight"):
+        embed = "lm_head.weight"
+        ck_ignored.add("lm_head.weight")
+    elif tie and ck.has(embed) and ck.has("lm_head.weight"):
+        need("lm_head.weight", (V, H))
+        if same_values(ck, embed, "lm_head.weight"):
+            ck_ignored.add("lm_head.weight")
+        else:
+            warn("note: tie_word_embeddings is true but the checkpoint's lm_head.weight differs from its embedding; "
+                 "they are not tied (as transformers loads it)")
+            c["tie_word_embeddings"] = tie = False
+    direct(embed, (V, H), out_name="model.embed_tokens.weight")
     for l in range(c["n_layers"]):
         p = f"model.layers.{l}."
         nh = c["n_heads"][l]
@@ -609,9 +653,8 @@ def plan_tensors(ck, c, want_dtype):
         for part, shp in (("gate_proj", (S, H)), ("up_proj", (S, H)), ("down_proj", (H, S))):
             direct(sh + part + ".weight", shp, out_name=p + "mlp.shared_expert." + part + ".weight")
     direct("model.norm.weight", (H,))
-    if c["tie_word_embeddings"]:
-        if ck.has("lm_head.weight"):        # transformers ties it to the embedding whatever the file holds
-            ck_ignored.add("lm_head.weight")
+    if tie:
+        pass                                 # lm_head is the embedding (settled above)
     elif ck.has("lm_head.weight"):
         direct("lm_head.weight", (V, H))
     else:
@@ -865,19 +908,35 @@ KIND_DRAFTER = 1
 DRAFTER_IGNORED = {"architectures", "auto_map", "model_type", "transformers_version", "torch_dtype", "dtype",
                    "use_cache", "initializer_range", "attention_dropout", "_name_or_path", "tie_word_embeddings",
                    "hidden_act", "pad_token_id", "bos_token_id", "eos_token_id", "draft_vocab_size",
-                   "eagle_aux_hidden_state_layer_ids", "target_layer_count", "num_attention_heads_per_layer",
-                   "mlp_layer_types", "rope_theta", "partial_rotary_factor", "swa_rope_parameters", "rope_scaling",
+                   "target_layer_count", "num_attention_heads_per_layer",
+                   "mlp_layer_types", "rope_theta", "partial_rotary_factor", "swa_rope_parameters",
                    "norm_topk_prob", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
                    "shared_expert_intermediate_size", "moe_routed_scaling_factor", "router_aux_loss_coef",
                    "output_router_logits", "mlp_only_layers", "decoder_sparse_step", "gating_types",
                    "moe_router_logit_softcapping", "moe_apply_router_weight_on_input"}
 DRAFTER_USED = {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "layer_types", "sliding_window", "rms_norm_eps",
-                "max_position_embeddings", "gating", "attention_bias", "rope_parameters", "dflash_config"}
+                "max_position_embeddings", "gating", "attention_bias", "rope_parameters", "dflash_config",
+                "rope_scaling", "is_causal", "eagle_aux_hidden_state_layer_ids"}
+DFLASH_KEYS = {"block_size", "mask_token_id", "num_target_layers", "target_layer_ids", "causal", "is_causal"}
 
 
 def is_drafter_config(cfg):
-    return "dflash_config" in cfg or any("DFlash" in a for a in (cfg.get("architectures") or []))
+    """A DFlash drafter: its architecture says so; without architectures, a dflash_config says so (a target's
+    config may carry one too: its drafter's settings)."""
+    archs = cfg.get("architectures") or []
+    if any("DFlash" in a for a in archs):
+        return True
+    return "dflash_config" in cfg and "LagunaForCausalLM" not in archs
+
+
+def drafter_causal(cfg, dc, lt):
+    """Whether the drafter's attention is causal inside the block, resolved as vLLM's DFlash does: a top-level
+    is_causal, then dflash_config's is_causal or causal, else sliding layers causal and full layers not."""
+    for v in (cfg.get("is_causal"), dc.get("is_causal"), dc.get("causal")):
+        if v is not None:
+            return bool(v)
+    return lt[0] == "sliding_attention"
 
 
 def read_drafter_config(hf_dir, cfg, ignore_keys=(), warn=print):
@@ -886,14 +945,35 @@ def read_drafter_config(hf_dir, cfg, ignore_keys=(), warn=print):
         raise ExportError(f"drafter config.json has keys laguna does not know: {', '.join(unknown)}",
                           "they may change the math; if you are sure they do not, pass --ignore-key KEY for each")
     dc = cfg.get("dflash_config")
-    if not isinstance(dc, dict) or not dc.get("target_layer_ids"):
+    if not isinstance(dc, dict):
+        raise ExportError("drafter config.json has no dflash_config")
+    unknown = sorted(k for k in dc if k not in DFLASH_KEYS and "dflash_config." + k not in ignore_keys)
+    if unknown:
+        raise ExportError(f"drafter dflash_config has keys laguna does not know: {', '.join(unknown)}",
+                          "they may change the math; if you are sure they do not, pass --ignore-key dflash_config.KEY")
+    # the taps: vLLM prefers eagle_aux_hidden_state_layer_ids, which count the state entering layer k (tap k - 1)
+    taps = dc.get("target_layer_ids")
+    eagle = cfg.get("eagle_aux_hidden_state_layer_ids")
+    if eagle:
+        from_eagle = [int(x) - 1 for x in eagle]
+        if min(from_eagle) < 0:
+            raise ExportError(f"eagle_aux_hidden_state_layer_ids {eagle} taps the embeddings (0), which laguna does not")
+        if taps and [int(x) for x in taps] != from_eagle:
+            raise ExportError(f"eagle_aux_hidden_state_layer_ids {eagle} and dflash_config.target_layer_ids {taps} "
+                              "name different taps (vLLM would use the eagle ids, minus one)",
+                              "fix the drafter's config.json: the two must agree (eagle id = target layer id + 1)")
+        taps = from_eagle
+    if not taps:
         raise ExportError("drafter config.json has no dflash_config.target_layer_ids")
-    if cfg.get("hidden_act", "silu") != "silu":
+    if cfg.get("hidden_act", "silu") not in ("silu", "swish"):     # transformers: swish is silu
         raise ExportError(f"drafter hidden_act {cfg['hidden_act']!r} is not supported (silu only)")
     if cfg.get("attention_bias", False):
         raise ExportError("drafters with attention_bias are not supported")
     L = cfg["num_hidden_layers"]
-    lt = cfg.get("layer_types") or ["full_attention"] * L
+    lt = cfg.get("layer_types")
+    if not lt:
+        raise ExportError("drafter config.json has no layer_types (vLLM's Laguna DFlash requires them too)",
+                          "add layer_types: the published drafter has sliding_attention on every layer")
     if len(lt) != L or len(set(lt)) != 1 or lt[0] not in ("full_attention", "sliding_attention"):
         raise ExportError(f"drafter layer_types {lt} must be {L} copies of full_attention or sliding_attention")
     gating = cfg.get("gating", True)
@@ -909,7 +989,7 @@ def read_drafter_config(hf_dir, cfg, ignore_keys=(), warn=print):
     c = {"vocab_size": V, "hidden_size": cfg["hidden_size"], "n_layers": L, "n_kv_heads": nkv,
          "head_dim": cfg.get("head_dim") or cfg["hidden_size"] // nh, "n_heads": [nh] * L, "layer_types": lt,
          "mlp_layer_types": ["dense"] * L,
-         "sliding_window": cfg.get("sliding_window", 512) if lt[0] == "sliding_attention" else 0,
+         "sliding_window": (cfg.get("sliding_window", 512) or 0) if lt[0] == "sliding_attention" else 0,
          "intermediate_size": cfg["intermediate_size"], "moe_intermediate_size": 0,
          "shared_expert_intermediate_size": 0, "num_experts": 0, "num_experts_per_tok": 0,
          "routed_scaling_factor": 1.0, "router_logit_softcapping": 0.0,
@@ -917,9 +997,12 @@ def read_drafter_config(hf_dir, cfg, ignore_keys=(), warn=print):
          "max_position_embeddings": cfg.get("max_position_embeddings", 262144),
          "gating": gating, "attention_bias": False,
          "tie_word_embeddings": False}
+    if lt[0] == "sliding_attention" and c["sliding_window"] <= 0:
+        raise ExportError("drafter has sliding_attention layers but sliding_window is null or 0")
     # RoPE as vLLM's laguna_dflash resolves it: nested by layer type (falling back to full_attention) or flat;
     # swa_rope_parameters override sliding layers; top-level rope_theta / partial_rotary_factor fill gaps.
-    top = cfg.get("rope_parameters") or {}
+    # A non-null rope_scaling is transformers' alias of rope_parameters and replaces it.
+    top = (cfg["rope_scaling"] if cfg.get("rope_scaling") is not None else cfg.get("rope_parameters")) or {}
     base = (top.get(lt[0]) or top.get("full_attention") or {}) if any(isinstance(v, dict) for v in top.values()) \
         else top
     swa = cfg.get("swa_rope_parameters")
@@ -934,7 +1017,7 @@ def read_drafter_config(hf_dir, cfg, ignore_keys=(), warn=print):
     c["rope"] = rope_tables({lt[0]: p}, c["head_dim"], c["max_position_embeddings"],
                             top.get("truncate", True) if isinstance(top.get("truncate", True), bool) else True)
     c["dflash"] = {"block_size": int(dc.get("block_size", 16)), "mask_token_id": int(dc.get("mask_token_id", 12)),
-                   "target_layer_ids": [int(x) for x in dc["target_layer_ids"]], "causal": bool(dc.get("causal", True)),
+                   "target_layer_ids": [int(x) for x in taps], "causal": drafter_causal(cfg, dc, lt),
                    "num_target_layers": int(dc.get("num_target_layers", 0))}
     if not 2 <= c["dflash"]["block_size"] <= 64:
         raise ExportError(f"dflash block_size {c['dflash']['block_size']} is outside 2..64")
@@ -1185,7 +1268,7 @@ def export_synthetic(preset, out_path, fill, layers=None, seed=0, quiet=False, d
         c = read_config(d, warn=say)
         ids = read_special_ids(d, c)
     ck = SyntheticCheckpoint(raw, fill, seed)
-    plan = plan_tensors(ck, c, "auto")
+    plan = plan_tensors(ck, c, "auto", warn=say)
     stats = None
     if dtype in ("q8", "q4") and fill == "none":     # holes of the quantized size: laguna --random-weights fills them
         plan = quantized_holes(plan, dtype)
@@ -1211,7 +1294,7 @@ def export_model(hf_dir, out_path, dtype="auto", ignore_keys=(), quiet=False):
     c = read_config(hf_dir, ignore_keys, warn=say)
     ids = read_special_ids(hf_dir, c)
     ck = Checkpoint(hf_dir)
-    plan = plan_tensors(ck, c, dtype if dtype in ("auto", "bf16", "f32") else "auto")
+    plan = plan_tensors(ck, c, dtype if dtype in ("auto", "bf16", "f32") else "auto", warn=say)
     tok = tokenizer_blob(hf_dir, say=say)
     if tok is None:
         say("note: no tokenizer.json: the file will take token ids only (--ids, --score)")
@@ -1416,6 +1499,11 @@ def _tok_check_pipeline(path, j):
         _tok_refuse(path, f"BPE dropout {m.get('dropout')}")
     if m.get("continuing_subword_prefix") or m.get("end_of_word_suffix"):
         _tok_refuse(path, "BPE continuing_subword_prefix / end_of_word_suffix are set")
+    # HF tokenizers does not take an added token's id from its "id": a token in the BPE vocabulary gets that id,
+    # another one the next free id past the vocabulary. tokenizer.c takes "id"; refuse a file where they differ.
+    vocab = m.get("vocab") or {}
+    by_id = {i: t for t, i in vocab.items()}
+    top = None                                            # the largest id given to an added token so far
     for a in j.get("added_tokens") or []:
         if not a.get("content"):
             _tok_refuse(path, f"added token id {a.get('id')} has empty content")
@@ -1423,6 +1511,14 @@ def _tok_check_pipeline(path, j):
             if a.get(flag):
                 _tok_refuse(path, f"added token {a.get('content')!r} (id {a.get('id')}) has {flag}=true, "
                                   "which tokenizer.c does not implement")
+        hf_id = vocab.get(a["content"])
+        if hf_id is None:
+            hf_id = top + 1 if top is not None and top >= len(vocab) else len(vocab)
+        if hf_id != a.get("id"):
+            other = f" (the vocabulary's {by_id[a.get('id')]!r})" if a.get("id") in by_id else ""
+            _tok_refuse(path, f"added token {a['content']!r} has id {a.get('id')}{other}, but HF tokenizers would give "
+                              f"it id {hf_id}: the file's added_tokens and model.vocab disagree")
+        top = hf_id if top is None else max(top, hf_id)
 
 
 def _tok_u32(x):
@@ -1503,6 +1599,11 @@ def tokenizer_blob(hf_dir, chat=True, say=None):
     if os.path.exists(cpath):
         with open(cpath, encoding="utf-8") as f:
             config = json.load(f)
+    for i, a in (config.get("added_tokens_decoder") or {}).items():   # transformers applies these flags too
+        for flag in ("lstrip", "rstrip", "single_word"):
+            if isinstance(a, dict) and a.get(flag):
+                _tok_refuse(cpath, f"added token {a.get('content')!r} (id {i}) has {flag}=true in added_tokens_decoder, "
+                                   "which tokenizer.c does not implement")
     by_content = {a["content"]: a["id"] for a in added}
     by_content.update({k: v for k, v in vocab.items() if k not in by_content})
 

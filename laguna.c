@@ -219,7 +219,7 @@ static int parse_config(Model *m, const char *text, size_t len, char *err, size_
         FAIL("bad n_layers %d in %s\n  hint: %s", c->n_layers, m->path, HINT_REEXPORT);
     if (n_heads_n != c->n_layers || n_lt != c->n_layers || n_mt != c->n_layers)
         FAIL("per-layer lists do not have n_layers=%d entries\n  hint: %s", c->n_layers, HINT_REEXPORT);
-    if (c->vocab_size <= 0 || c->dim <= 0 || c->n_kv_heads <= 0 || c->head_dim <= 0 || c->head_dim % 2 ||
+    if (c->vocab_size <= 0 || c->dim <= 0 || c->n_kv_heads <= 0 || c->head_dim <= 0 ||
         c->norm_eps <= 0 || c->max_seq_len <= 0)
         FAIL("config in %s has a zero or negative size\n  hint: %s", m->path, HINT_REEXPORT);
     c->kv_dim = c->n_kv_heads * c->head_dim;
@@ -1377,6 +1377,9 @@ static void dflash_init(DFlash *df, Model *d, const char *path, Model *target, G
     df->d = d;
     df->block = dc->block_size;
     if (draft_max > 0 && draft_max + 1 < df->block) df->block = draft_max + 1;
+    else if (draft_max + 1 > df->block)
+        fprintf(stderr, "note: --draft-max %d is more than this drafter's block allows; it drafts %d\n", draft_max,
+                df->block - 1);
     if (df->block > 64) df->block = 64;
     /* rollback is safe when the target's sliding rings hold W + block - 1 rows: they hold W + max_tokens - 1 */
     if (target->state.max_tokens < df->block && target->state.max_tokens < ctx)
@@ -1483,7 +1486,8 @@ static void usage(FILE *f) {
         "  --logits OUT           with --score: write float32 logits [n][vocab] to OUT; while generating:\n"
         "                         the logits row each generated token was sampled from\n"
         "  -d DRAFT.bin  speculative decoding with a DFlash drafter (export.py converts it too)\n"
-        "  --draft-max N draft at most N tokens per step (1..15; default: the drafter's block - 1)\n"
+        "  --draft-max N draft at most N tokens per step (default and most: the drafter's block - 1, 15 for\n"
+        "                Laguna-XS-2.1-DFlash)\n"
         "  --compare     with -d: run again without the drafter and print the speedup\n"
         "  -q            quiet: no load or speed lines\n"
         "\n"
@@ -1559,7 +1563,10 @@ static void parse_args(int argc, char **argv, Options *o) {
         else if (!strcmp(a, "--logits")) o->logits_out = NEXT();
         else if (!strcmp(a, "-q")) o->quiet = 1;
         else if (!strcmp(a, "-d")) o->draft_path = NEXT();
-        else if (!strcmp(a, "--draft-max")) o->draft_max = (int)arg_int(a, NEXT());
+        else if (!strcmp(a, "--draft-max")) {
+            o->draft_max = (int)arg_int(a, NEXT());
+            if (o->draft_max < 1) die("--draft-max must be at least 1 (it drafts at most the drafter's block - 1)");
+        }
         else if (!strcmp(a, "--compare")) o->compare = 1;
         else if (!strcmp(a, "--samples")) o->samples = (int)arg_int(a, NEXT());
         else if (!strcmp(a, "--taps")) o->taps_out = NEXT();
@@ -1576,7 +1583,6 @@ static void parse_args(int argc, char **argv, Options *o) {
     if (o->temperature < 0) die("-t must be >= 0");
     if (o->topp < 0 || o->topp > 1) die("-p must be in [0, 1]");
     if (strcmp(o->mode, "generate") && strcmp(o->mode, "chat")) die("-m must be generate or chat");
-    if (o->draft_max && (o->draft_max < 1 || o->draft_max > 63)) die("--draft-max must be in 1..15 (the block size - 1)");
     if ((o->compare || o->draft_max) && !o->draft_path) die("--compare and --draft-max go with -d DRAFTER");
     if (o->samples < 0) die("--samples must be >= 0");
 }
@@ -1654,6 +1660,9 @@ static void finish_output(Printer *pr) {
 /* --draft-logits: the drafter's logits for a block whose bonus token is the last prompt id (a test hook). */
 static void dump_draft_logits(Engine *e, DFlash *df, const int *ids, int n, const char *path) {
     if (n < 2) die("--draft-logits needs at least 2 prompt ids");
+    if (n - 1 + df->block > e->m->state.ctx)
+        die("--draft-logits: %d prompt ids and a block of %d pass the context (%d)\n  hint: raise -c", n, df->block,
+            e->m->state.ctx);
     prefill_dflash(e, df, ids, n - 1);
     float *dl = draft_block(df, ids[n - 1], n - 1, df->block);
     FILE *f = fopen(path, "wb");
@@ -1744,7 +1753,11 @@ int main(int argc, char **argv) {
             if (df) die("-m chat does not use a drafter yet\n  hint: drop -d for chat");
             rc = chat_loop(&eng, &sp, &pr, &o);
         } else {
-            char *prompt_buf = o.prompt_file ? read_file(o.prompt_file, NULL) : NULL;
+            size_t prompt_len = 0;
+            char *prompt_buf = o.prompt_file ? read_file(o.prompt_file, &prompt_len) : NULL;
+            if (prompt_buf && memchr(prompt_buf, 0, prompt_len))
+                die("%s has a NUL byte at offset %zu\n  hint: the prompt file must be text (UTF-8)", o.prompt_file,
+                    (size_t)((char *)memchr(prompt_buf, 0, prompt_len) - prompt_buf));
             int n = 0, *ids = build_prompt(&o, c, tk, prompt_buf ? prompt_buf : o.prompt ? o.prompt : "", &n);
             if (n == 0) die("empty prompt\n  hint: give a prompt, or use --raw with a BOS-only start");
             check_fits(n, ctx);
@@ -1812,13 +1825,16 @@ static int chat_loop(Engine *e, Sampler *sp, Printer *pr, const Options *o) {
     int cap = 16, nm = 0;
     ChatMessage *msgs = xcalloc(cap, sizeof(ChatMessage));
     if (o->system) msgs[nm++] = (ChatMessage){"system", strdup(o->system), NULL};
-    char line[1 << 16];
+    char *line = NULL;                        /* one user turn: a whole line of stdin, however long */
+    size_t line_cap = 0;
     int end_id = tokenizer_token_id(tok, "</assistant>");
     int *reply = xcalloc((size_t)(o->steps < ctx ? o->steps : ctx) + 1, sizeof(int));
     for (;;) {
         fprintf(stderr, "\n> ");
-        if (!fgets(line, sizeof line, stdin)) break;
-        size_t L = strlen(line);
+        ssize_t got = getline(&line, &line_cap, stdin);
+        if (got < 0) break;
+        size_t L = (size_t)got;
+        if (memchr(line, 0, L)) { fprintf(stderr, "(skipped: the line has a NUL byte, which text cannot hold)\n"); continue; }
         while (L && (line[L - 1] == '\n' || line[L - 1] == '\r')) line[--L] = 0;
         if (!L) continue;
         if (nm + 2 >= cap) { cap *= 2; msgs = realloc(msgs, cap * sizeof(ChatMessage)); if (!msgs) die("out of memory"); }
@@ -1870,6 +1886,7 @@ static int chat_loop(Engine *e, Sampler *sp, Printer *pr, const Options *o) {
     for (int i = 0; i < nm; i++) { free((char *)msgs[i].content); free((char *)msgs[i].reasoning); }
     free(msgs);
     free(reply);
+    free(line);
     free(cache);
     return 0;
 }

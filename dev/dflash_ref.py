@@ -82,8 +82,10 @@ class LagunaDFlash(nn.Module):
         self.taps = list(dc["target_layer_ids"])
         self.block = dc.get("block_size", 16)
         self.mask_id = dc.get("mask_token_id", 12)
-        self.causal = dc.get("causal", True)
         lt = cfg["layer_types"]
+        # vLLM's rule: a top-level is_causal, then dflash_config's, else only sliding layers are causal
+        flags = [v for v in (cfg.get("is_causal"), dc.get("is_causal"), dc.get("causal")) if v is not None]
+        self.causal = bool(flags[0]) if flags else lt[0] == "sliding_attention"
         self.window = cfg["sliding_window"] if lt[0] == "sliding_attention" else None
         self.per_head = cfg.get("gating", True) in (True, "per-head")
         rp = cfg.get("rope_parameters") or {}

@@ -89,6 +89,30 @@ FIXTURES = {
         "sliding_attention": {"rope_type": "proportional", "rope_theta": 10000.0, "factor": 2.0,
                               "partial_rotary_factor": 0.5}}),
         dtype="f32", prompt_len=40, gen=16),
+    # config and checkpoint quirks that transformers resolves on load (the edits below are applied after
+    # save_pretrained, before transformers loads the reference): an odd head_dim (9; rotary dims 4 and 8);
+    # tie_word_embeddings true but an lm_head.weight of other values on disk (transformers then does not tie);
+    # rope_scaling beside a different rope_parameters (rope_scaling is transformers' alias and wins); a
+    # dflash_config in a target's config
+    "quirks": dict(cfg=base_config(vocab_size=256, num_hidden_layers=3, num_attention_heads_per_layer=[4, 8, 4],
+                                   layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+                                   mlp_layer_types=["dense", "sparse", "sparse"], head_dim=9,
+                                   tie_word_embeddings=True,
+                                   rope_parameters={"full_attention": dict(XS21_FULL, partial_rotary_factor=0.5),
+                                                    "sliding_attention": dict(SLIDING, partial_rotary_factor=8 / 9)}),
+                   dtype="f32", prompt_len=24, gen=12,
+                   edit_config={"rope_scaling": "rope_parameters",
+                                "rope_parameters": {"full_attention": dict(SLIDING, rope_theta=77.0),
+                                                    "sliding_attention": dict(SLIDING, rope_theta=55.0)},
+                                "dflash_config": {"block_size": 16, "mask_token_id": 12, "num_target_layers": 3,
+                                                  "target_layer_ids": [0, 1], "causal": True}},
+                   edit_tensors="untie"),
+    # head_dim absent from config.json (transformers' default, 128, is the checkpoint's) and tied embeddings
+    # with only lm_head.weight on disk (transformers ties the embedding to it)
+    "quirks2": dict(cfg=base_config(vocab_size=256, num_hidden_layers=2, num_attention_heads_per_layer=[2, 2],
+                                    layer_types=["sliding_attention", "full_attention"],
+                                    mlp_layer_types=["sparse", "dense"], head_dim=128, tie_word_embeddings=True),
+                    dtype="f32", prompt_len=24, gen=12, edit_config={"head_dim": None}, edit_tensors="embed_as_lm_head"),
     # a long run: thousands of positions, many trips around the sliding ring
     "long": dict(cfg=base_config(vocab_size=256, sliding_window=16,
                                  rope_parameters={"full_attention": dict(XS21_FULL),
@@ -115,6 +139,31 @@ def randomize(model, cfg, gen):
         for name, b in model.named_buffers():
             if "e_score_correction_bias" in name:
                 b.copy_(torch.randn(b.shape, generator=gen) * 0.1)
+
+
+def edit_checkpoint(hf, fx, gen):
+    """fx's edits after save_pretrained: config.json keys (None deletes; the name of another key copies its value)
+    and the tensors ("untie": a different lm_head.weight beside the embedding; "embed_as_lm_head": the embedding
+    stored as lm_head.weight only)"""
+    from safetensors.torch import load_file, save_file
+    if fx.get("edit_config"):
+        path = os.path.join(hf, "config.json")
+        c = json.load(open(path))
+        old = dict(c)
+        for k, v in fx["edit_config"].items():
+            if v is None:
+                c.pop(k, None)
+            else:
+                c[k] = old[v] if isinstance(v, str) and v in old else v
+        json.dump(c, open(path, "w"), indent=2)
+    if fx.get("edit_tensors"):
+        path = os.path.join(hf, "model.safetensors")
+        t = load_file(path)
+        e = t.pop("model.embed_tokens.weight") if fx["edit_tensors"] == "embed_as_lm_head" \
+            else t["model.embed_tokens.weight"]
+        t["lm_head.weight"] = e.clone() if fx["edit_tensors"] == "embed_as_lm_head" else \
+            torch.randn(e.shape, generator=gen) / e.shape[1] ** 0.5
+        save_file(t, path, metadata={"format": "pt"})
 
 
 def hexs(t):
@@ -183,6 +232,7 @@ def main():
         if fx["dtype"] == "bf16":
             model = model.to(torch.bfloat16)      # the checkpoint is bf16 ...
         model.save_pretrained(hf)
+        edit_checkpoint(hf, fx, gen)
         if fx.get("tokenizer"):
             for f in os.listdir(TOK_DIR):
                 if os.path.isfile(os.path.join(TOK_DIR, f)):

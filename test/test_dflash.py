@@ -233,6 +233,59 @@ def test_export_refuses_broken_drafters(tmp_path):
     expect_error(cmd, "layer_types")
 
 
+def test_drafter_config_spellings_vllm_reads_alike(tmp_path):
+    """Config spellings vLLM resolves to the same drafter export to the same file: taps given as
+    eagle_aux_hidden_state_layer_ids (the state entering layer k: tap k - 1) with or without target_layer_ids,
+    a sliding drafter without dflash_config.causal (vLLM: sliding layers are causal), a top-level is_causal, and
+    rope_scaling (transformers' alias of rope_parameters) in place of rope_parameters."""
+    base = open(exported_drafter_variant(tmp_path / "base"), "rb").read()
+    edits = {
+        "eagle_and_taps": lambda c: c.update(eagle_aux_hidden_state_layer_ids=[2, 5, 8]),
+        "eagle_only": lambda c: (c.update(eagle_aux_hidden_state_layer_ids=[2, 5, 8]),
+                                 c["dflash_config"].pop("target_layer_ids")),
+        "causal_absent": lambda c: c["dflash_config"].pop("causal"),
+        "is_causal": lambda c: (c["dflash_config"].pop("causal"), c.update(is_causal=True)),
+        "rope_scaling": lambda c: c.update(rope_scaling=c.pop("rope_parameters")),
+    }
+    for name, edit in edits.items():
+        got = open(exported_drafter_variant(tmp_path / name, edit_config=edit), "rb").read()
+        assert got == base, name
+    # and the spellings that mean something else give another file: non-causal, other RoPE
+    for name, edit in {"is_causal_false": lambda c: c.update(is_causal=False),
+                       "rope_scaling_wins": lambda c: c.update(rope_scaling={"rope_type": "default",
+                                                                              "rope_theta": 1000.0})}.items():
+        assert open(exported_drafter_variant(tmp_path / name, edit_config=edit), "rb").read() != base, name
+
+
+def test_export_refuses_drafter_configs_it_cannot_read(tmp_path):
+    import json
+    import shutil
+    import sys
+    from test_model import expect_error, ROOT
+    cases = [(lambda c: c["dflash_config"].update(sliding_window_non_causal=True), "dflash_config has keys"),
+             (lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 2, 3]), "name different taps"),
+             (lambda c: c.update(eagle_aux_hidden_state_layer_ids=[0, 5, 8]), "embeddings"),
+             (lambda c: c.pop("layer_types"), "no layer_types"),
+             (lambda c: c.update(sliding_window=None), "sliding_window is null")]
+    for i, (edit, phrase) in enumerate(cases):
+        d = tmp_path / f"d{i}"
+        shutil.copytree(fx("draft_xs2", "hf"), d)
+        cfg = json.loads((d / "config.json").read_text())
+        edit(cfg)
+        (d / "config.json").write_text(json.dumps(cfg))
+        expect_error([sys.executable, os.path.join(ROOT, "export.py"), str(d), str(tmp_path / "o.bin")], phrase)
+    # --ignore-key dflash_config.KEY vouches for a nested key
+    run([sys.executable, os.path.join(ROOT, "export.py"), "-q", str(tmp_path / "d0"), str(tmp_path / "o.bin"),
+         "--ignore-key", "dflash_config.sliding_window_non_causal"])
+
+
+def test_draft_logits_past_the_context_refused(laguna, models, tmp_path):
+    from test_model import expect_error
+    prompt = " ".join(ids_of(fx("xs2_f32", "score.txt"))[:9])
+    expect_error([laguna, models["xs2"], "-d", models["dxs2"], "--ids", prompt, "-c", "10",
+                  "--draft-logits", str(tmp_path / "o.bin")], "pass the context")
+
+
 def write_bf16_safetensors(tensors, path):
     """safetensors with every tensor in bf16 (numpy has no bf16: written by hand, round-to-nearest-even)."""
     import json

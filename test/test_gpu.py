@@ -22,7 +22,7 @@ from conftest import FIXTURES, ROOT, run
 
 TOL_F32 = 1e-4       # same bar as the CPU: the fp32 path is fp32 end to end
 TOL_BF16 = 3e-2      # bf16 weights/KV/GEMM inputs on logits of magnitude ~0.5-1
-NAMES = ["xs2_f32", "xs21_bf16", "variant", "long", "ropes"]
+NAMES = ["xs2_f32", "xs21_bf16", "variant", "long", "ropes", "quirks2"]
 BF16 = {"xs21_bf16"}
 
 
@@ -113,7 +113,7 @@ def test_gpu_logits_match_transformers_and_cpu(laguna_gpu, exported, name, tmp_p
     assert d_ref <= tol(name) and d_cpu <= tol(name)
 
 
-@pytest.mark.parametrize("name", ["xs2_f32", "xs21_bf16", "variant", "ropes"])
+@pytest.mark.parametrize("name", ["xs2_f32", "xs21_bf16", "variant", "ropes", "quirks2"])
 def test_gpu_greedy_identical(laguna_gpu, exported, name):
     prompt = open(fx(name, "prompt.txt")).read().strip()
     want = read_ids(fx(name, "greedy.txt"))
@@ -534,6 +534,17 @@ def test_gpu_chat_launched_ahead(laguna_gpu, tmp_path):
 def test_gpu_prompt_longer_than_context_refused(laguna_gpu, exported):
     r = run([laguna_gpu, exported("xs2_f32"), "--ids", " ".join(["5"] * 40), "-c", "16"], check=False)
     assert r.returncode == 1 and "exceeds the context size" in r.stderr
+
+
+def test_gpu_head_dim_it_lacks_refused_with_the_cpu_as_the_hint(laguna_gpu, exported):
+    """The quirks fixture's head_dim 9 runs on the CPU only: the GPU build says so and --cpu runs it (the same
+    greedy tokens as transformers)."""
+    prompt = open(fx("quirks", "prompt.txt")).read().strip()
+    r = run([laguna_gpu, exported("quirks"), "--ids", prompt, "-t", "0", "-n", "4", "-q"], check=False)
+    assert r.returncode == 1 and "head_dim 9 is not supported by the GPU backend" in r.stderr and "--cpu" in r.stderr
+    want = read_ids(fx("quirks", "greedy.txt"))[:4]
+    got = run([laguna_gpu, exported("quirks"), "--ids", prompt, "-t", "0", "-n", "4", "-q", "--cpu"]).stdout.split()
+    assert [int(x) for x in got] == want
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from conftest import FIXTURES, ROOT, run
 
 import export  # noqa: E402
 
-NAMES = ["xs2_f32", "xs21_bf16", "variant", "long", "tied", "ropes"]
+NAMES = ["xs2_f32", "xs21_bf16", "variant", "long", "tied", "ropes", "quirks", "quirks2"]
 TOL = 1e-4   # max |logit - reference|
 
 
@@ -46,7 +46,7 @@ def test_logits_match_transformers(laguna, exported, name, tmp_path):
     assert diff <= TOL
 
 
-@pytest.mark.parametrize("name", ["xs2_f32", "variant", "long", "ropes"])
+@pytest.mark.parametrize("name", ["xs2_f32", "variant", "long", "ropes", "quirks"])
 def test_token_by_token_and_offset_chunks_match(laguna, exported, name, tmp_path):
     """--chunk 1 is decoding one token at a time with the KV cache; --chunk 7 runs n-token forwards
     at offsets. Both must give the logits of the one-pass reference."""
@@ -61,7 +61,7 @@ def test_token_by_token_and_offset_chunks_match(laguna, exported, name, tmp_path
         assert d_self <= TOL and d_ref <= TOL
 
 
-@pytest.mark.parametrize("name", ["xs2_f32", "xs21_bf16", "variant", "tied", "ropes"])
+@pytest.mark.parametrize("name", ["xs2_f32", "xs21_bf16", "variant", "tied", "ropes", "quirks", "quirks2"])
 def test_greedy_continuation_identical(laguna, exported, name):
     prompt = open(fixture_file(name, "prompt.txt")).read().strip()
     want = read_ids(fixture_file(name, "greedy.txt"))
@@ -303,6 +303,8 @@ def test_export_config_refusals(tmp_path):
     for change, phrase in ((dict(model_type="llama"), "not 'laguna'"),
                            (dict(swa_attention_sink_enabled=True), "swa_attention_sink_enabled"),
                            (dict(hidden_act="gelu"), "hidden_act"),
+                           (dict(shared_expert_intermediate_size=0), "shared_expert_intermediate_size is 0"),
+                           (dict(intermediate_size=0), "intermediate_size is 0"),
                            (dict(rope_parameters={"full_attention": dict(cfg["rope_parameters"]["full_attention"],
                                                                          rope_type="longrope"),
                                                   "sliding_attention": cfg["rope_parameters"]["sliding_attention"]}),
@@ -388,5 +390,6 @@ def test_bad_numbers_on_the_command_line(laguna, exported):
     m = exported("xs2_f32")
     for args, phrase in ((["-n", "abc"], "-n expects an integer"), (["-t", "hot"], "-t expects a number"),
                          (["-c", "0"], "-c must be > 0"), (["--chunk", "-2"], "--chunk must be > 0"),
-                         (["-s", "-1"], "non-negative"), (["--draft-max", "3"], "go with -d")):
+                         (["-s", "-1"], "non-negative"), (["--draft-max", "3"], "go with -d"),
+                         (["--draft-max", "0"], "at least 1")):
         expect_error([laguna, m, "--ids", "1 2", *args], phrase)

@@ -520,6 +520,58 @@ def test_export_refuses(tmp_path, name):
     assert "unsupported tokenizer" in r.stderr and needle in r.stderr and "HINT" in r.stderr, r.stderr
 
 
+def _drop_from_vocab(j, contents, renumber):
+    """delete added tokens' entries from model.vocab (closing the gaps: the vocabulary's ids stay 0..n-1);
+    renumber: give the added tokens the ids HF tokenizers computes for them (next free ids past the vocabulary)"""
+    v = j["model"]["vocab"]
+    for c in contents:
+        v.pop(c)
+    for new_id, tok in enumerate(sorted(v, key=v.get)):
+        v[tok] = new_id
+    top = None
+    for a in sorted(j["added_tokens"], key=lambda a: a["id"]):
+        if a["content"] in v:
+            a["id"] = v[a["content"]]
+        elif renumber:
+            a["id"] = top + 1 if top is not None and top >= len(v) else len(v)
+        top = a["id"] if top is None else max(top, a["id"])
+
+
+ADDED_ID_CASES = {   # tokenizer.json edits: export must refuse exactly those where HF gives an added token another id
+    "consistent": lambda j: None,
+    "swapped": lambda j: [a.update(id={18: 9, 9: 18}[a["id"]]) for a in j["added_tokens"] if a["id"] in (9, 18)],
+    "missing_from_vocab": lambda j: _drop_from_vocab(j, ["〈|EOS|〉"], renumber=False),
+    "missing_renumbered": lambda j: _drop_from_vocab(j, ["〈|EOS|〉", "<think>"], renumber=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ADDED_ID_CASES))
+def test_export_added_token_ids_as_hf_assigns_them(tmp_path, name):
+    """tokenizer.c takes each added token's "id"; HF tokenizers assigns its own (the vocabulary's id, or the next
+    free one). Export accepts a file exactly when the two agree for every added token."""
+    d = variant(tmp_path, name, ADDED_ID_CASES[name])
+    j = json.load(open(d / "tokenizer.json", encoding="utf-8"))
+    tk = tokenizers.Tokenizer.from_file(str(d / "tokenizer.json"))
+    agree = all(tk.token_to_id(a["content"]) == a["id"] for a in j["added_tokens"])
+    r = run_export(d)
+    assert (r.returncode == 0) == agree, (name, agree, r.stderr)
+    if not agree:
+        assert "HF tokenizers would give it id" in r.stderr, r.stderr
+    assert name in ("consistent", "missing_renumbered") or not agree   # the edits do what they say
+
+
+def test_export_refuses_flags_in_tokenizer_config(tmp_path):
+    """transformers applies lstrip / rstrip from tokenizer_config.json's added_tokens_decoder: refused like the
+    same flags in tokenizer.json"""
+    d = variant(tmp_path, "cfgflags", lambda j: None)
+    cfg = json.load(open(os.path.join(DATA, "tokenizer_config.json"), encoding="utf-8"))
+    dec = cfg.setdefault("added_tokens_decoder", {})
+    dec["18"] = dict(dec.get("18") or {"content": "<think>", "special": False}, lstrip=True, rstrip=True)
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg, ensure_ascii=False), encoding="utf-8")
+    r = run_export(d)
+    assert r.returncode != 0 and "added_tokens_decoder" in r.stderr and "lstrip" in r.stderr, r.stderr
+
+
 def test_export_merges_formats_and_missing(tmp_path):
     # merges spelled "a b" (older tokenizers) give the same blob as ["a", "b"]
     d = variant(tmp_path, "oldmerges", lambda j: j["model"].update(merges=[" ".join(m) for m in j["model"]["merges"]]))

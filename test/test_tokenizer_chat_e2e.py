@@ -70,3 +70,14 @@ def test_plain_and_raw_prompts_print_the_same_text(laguna, exported, hf_tok):
         want = [int(x) for x in greedy_ids(laguna, m, ids, 10)]
         out = run([laguna, m, text, "-t", "0", "-n", "10", "-q"] + (["--raw"] if raw else [])).stdout
         assert out == hf_tok.decode(want, skip_special_tokens=False) + "\n"
+
+
+def test_chat_takes_a_line_longer_than_any_buffer(laguna, exported, hf_tok):
+    """A user line of 66,000 bytes (past 64 KiB, a 2-byte character across that boundary) is one turn: the reply
+    equals a fresh greedy run over the HF-tokenized rendering."""
+    m = exported("xs21_bf16")
+    line = " " * 65535 + "é" + "x = 1 " * 77          # ~2,100 tokens: the spaces merge
+    r = run([laguna, m, "-m", "chat", "--ids", "-t", "0", "-n", "4", "-q"], input=line + "\nhi\n")
+    replies = [x.split() for x in r.stdout.split("\n") if x.strip()]
+    ids = hf_tok.encode(render([{"role": "user", "content": line}]), add_special_tokens=False).ids
+    assert len(replies) == 2 and replies[0] == greedy_ids(laguna, m, ids, 4)[: len(replies[0])]
