@@ -653,12 +653,10 @@ def plan_tensors(ck, c, want_dtype, warn=print):
         for part, shp in (("gate_proj", (S, H)), ("up_proj", (S, H)), ("down_proj", (H, S))):
             direct(sh + part + ".weight", shp, out_name=p + "mlp.shared_expert." + part + ".weight")
     direct("model.norm.weight", (H,))
-    if tie:
-        pass                                 # lm_head is the embedding (settled above)
-    elif ck.has("lm_head.weight"):
+    if not tie:                              # (tied: lm_head is the embedding, settled above)
+        if not ck.has("lm_head.weight"):
+            raise ExportError("tensor lm_head.weight is missing from the checkpoint (and tie_word_embeddings is false)")
         direct("lm_head.weight", (V, H))
-    else:
-        raise ExportError("tensor lm_head.weight is missing from the checkpoint (and tie_word_embeddings is false)")
     for t, (inv, _, rd) in sorted(c["rope"].items()):
         plan.append((f"rope.{t}.inv_freq", DT_F32, (rd // 2,), lambda inv=inv: iter([inv])))
     # every checkpoint tensor must be accounted for

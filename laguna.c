@@ -1755,9 +1755,9 @@ int main(int argc, char **argv) {
         } else {
             size_t prompt_len = 0;
             char *prompt_buf = o.prompt_file ? read_file(o.prompt_file, &prompt_len) : NULL;
-            if (prompt_buf && memchr(prompt_buf, 0, prompt_len))
-                die("%s has a NUL byte at offset %zu\n  hint: the prompt file must be text (UTF-8)", o.prompt_file,
-                    (size_t)((char *)memchr(prompt_buf, 0, prompt_len) - prompt_buf));
+            const char *nul = prompt_buf ? memchr(prompt_buf, 0, prompt_len) : NULL;
+            if (nul) die("%s has a NUL byte at offset %zu\n  hint: the prompt file must be text (UTF-8)", o.prompt_file,
+                         (size_t)(nul - prompt_buf));
             int n = 0, *ids = build_prompt(&o, c, tk, prompt_buf ? prompt_buf : o.prompt ? o.prompt : "", &n);
             if (n == 0) die("empty prompt\n  hint: give a prompt, or use --raw with a BOS-only start");
             check_fits(n, ctx);
