@@ -55,14 +55,15 @@ def apply_rope_nd(x, pos, inv_freq, scaling=1.0):
 
 
 class Layer(nn.Module):
-    def __init__(self, H, nh, nkv, D, F_, per_head):
+    def __init__(self, H, nh, nkv, D, F_, gating):
         super().__init__()
         self.nh, self.nkv, self.D = nh, nkv, D
         self.input_layernorm = nn.Parameter(torch.ones(H))
         self.post_attention_layernorm = nn.Parameter(torch.ones(H))
         self.qkv_proj = nn.Linear(H, (nh + 2 * nkv) * D, bias=False)
         self.o_proj = nn.Linear(nh * D, H, bias=False)
-        self.g_proj = nn.Linear(H, nh if per_head else nh * D, bias=False)
+        # the softplus gate: one value a head, one a head dimension, or none (gating false / "disabled": no g_proj)
+        self.g_proj = None if gating == "none" else nn.Linear(H, nh if gating == "per-head" else nh * D, bias=False)
         self.q_norm = nn.Parameter(torch.ones(D))
         self.k_norm = nn.Parameter(torch.ones(D))
         self.gate_proj = nn.Linear(H, F_, bias=False)
@@ -79,7 +80,8 @@ class LagunaDFlash(nn.Module):
         self.nh, self.nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
         self.eps = cfg.get("rms_norm_eps", 1e-6)
         dc = cfg["dflash_config"]
-        self.taps = list(dc["target_layer_ids"])
+        # vLLM's eagle_aux_hidden_state_layer_ids are the same taps plus one (export.py checks that they agree)
+        self.taps = list(dc.get("target_layer_ids") or [e - 1 for e in cfg["eagle_aux_hidden_state_layer_ids"]])
         self.block = dc.get("block_size", 16)
         self.mask_id = dc.get("mask_token_id", 12)
         lt = cfg["layer_types"]
@@ -87,7 +89,9 @@ class LagunaDFlash(nn.Module):
         flags = [v for v in (cfg.get("is_causal"), dc.get("is_causal"), dc.get("causal")) if v is not None]
         self.causal = bool(flags[0]) if flags else lt[0] == "sliding_attention"
         self.window = cfg["sliding_window"] if lt[0] == "sliding_attention" else None
-        self.per_head = cfg.get("gating", True) in (True, "per-head")
+        self.gating = {True: "per-head", False: "none", "disabled": "none"}.get(cfg.get("gating", True),
+                                                                                  cfg.get("gating", True))
+        self.per_head = self.gating == "per-head"
         rp = cfg.get("rope_parameters") or {}
         if any(isinstance(v, dict) for v in rp.values()):
             rp = rp.get(lt[0]) or rp.get("full_attention") or {}
@@ -98,7 +102,7 @@ class LagunaDFlash(nn.Module):
         self.hidden_norm = nn.Parameter(torch.ones(H))
         self.norm = nn.Parameter(torch.ones(H))
         self.aux_hidden_norms = nn.ParameterList([nn.Parameter(torch.ones(H)) for _ in range(n)])
-        self.layers = nn.ModuleList([Layer(H, self.nh, self.nkv, D, cfg["intermediate_size"], self.per_head)
+        self.layers = nn.ModuleList([Layer(H, self.nh, self.nkv, D, cfg["intermediate_size"], self.gating)
                                      for _ in range(cfg["num_hidden_layers"])])
 
     # ---- context: per-tap norms, fc, hidden_norm ----
@@ -141,8 +145,9 @@ class LagunaDFlash(nn.Module):
             s = torch.einsum("bhd,shd->hbs", q, Kx) / math.sqrt(self.D)
             s = s.masked_fill(~allowed[None], float("-inf"))
             o = torch.einsum("hbs,shd->bhd", torch.softmax(s.float(), -1), Vx)
-            gate = F.softplus(layer.g_proj(x).float())
-            o = o * gate[:, :, None] if self.per_head else o * gate.view(B, self.nh, self.D)
+            if layer.g_proj is not None:
+                gate = F.softplus(layer.g_proj(x).float())
+                o = o * gate[:, :, None] if self.per_head else o * gate.view(B, self.nh, self.D)
             h = h + layer.o_proj(o.reshape(B, -1))
             y = rms(h, layer.post_attention_layernorm, self.eps)
             h = h + layer.down_proj(F.silu(layer.gate_proj(y)) * layer.up_proj(y))
@@ -202,8 +207,9 @@ class LagunaDFlash(nn.Module):
                 sc = (qx.float() @ Kx.float().transpose(-1, -2)) / math.sqrt(self.D)
                 o = torch.softmax(sc.masked_fill(~allowed, float("-inf")), -1) @ Vx.float()
             o = o.transpose(1, 2)                                                          # [N, Q, nh, D]
-            gate = F.softplus(layer.g_proj(x).float())
-            o = o * gate[..., None] if self.per_head else o * gate.view(N, Q, self.nh, self.D)
+            if layer.g_proj is not None:
+                gate = F.softplus(layer.g_proj(x).float())
+                o = o * gate[..., None] if self.per_head else o * gate.view(N, Q, self.nh, self.D)
             h = h + layer.o_proj(o.reshape(N, Q, -1))
             y = rms(h, layer.post_attention_layernorm, self.eps)
             h = h + layer.down_proj(F.silu(layer.gate_proj(y)) * layer.up_proj(y))
@@ -219,9 +225,11 @@ class LagunaDFlash(nn.Module):
             sd.update({p + "input_layernorm.weight": L.input_layernorm,
                        p + "post_attention_layernorm.weight": L.post_attention_layernorm,
                        p + "self_attn.qkv_proj.weight": L.qkv_proj.weight, p + "self_attn.o_proj.weight": L.o_proj.weight,
-                       p + "self_attn.g_proj.weight": L.g_proj.weight, p + "self_attn.q_norm.weight": L.q_norm,
+                       p + "self_attn.q_norm.weight": L.q_norm,
                        p + "self_attn.k_norm.weight": L.k_norm, p + "mlp.gate_proj.weight": L.gate_proj.weight,
                        p + "mlp.up_proj.weight": L.up_proj.weight, p + "mlp.down_proj.weight": L.down_proj.weight})
+            if L.g_proj is not None:
+                sd[p + "self_attn.g_proj.weight"] = L.g_proj.weight
         return {k: v.detach().contiguous() for k, v in sd.items()}
 
 

@@ -330,6 +330,23 @@ def assert_lossless(laguna, models, drafter, n_prompt=20, n=30):
     assert got == want
 
 
+def test_random_drafters_match_the_reference(laguna):
+    """dev/dflash_fuzz.py: random drafter configs (layers, GQA groups, head dims, gating kinds, window or full
+    attention, every causality spelling vLLM reads, block sizes, mask token, taps as target or eagle ids, RoPE, "model."
+    prefixes) on the fixtures' targets, written in the on-disk layout and exported: laguna's draft logits within 1e-4
+    of dev/dflash_ref.py on laguna's taps, and the taps within 1e-5 (relative) of transformers'. Needs torch."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import subprocess
+    import sys
+    from conftest import ROOT
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "dev", "dflash_fuzz.py"), "24", "11"], capture_output=True,
+                       text=True, env=dict(os.environ, LAGUNA=laguna))
+    lines = [line for line in r.stdout.splitlines() if line.startswith(("config", "24 drafters"))]
+    print("\n" + lines[-1] if lines else "")
+    assert r.returncode == 0, "\n".join(line for line in lines if " ok " not in line)[-3000:] + r.stderr[-2000:]
+
+
 def test_all_bf16_drafter_checkpoint(laguna, models, tmp_path):
     """The released drafter is bf16 throughout (norms too): export keeps norms f32 and it runs losslessly."""
     out = exported_drafter_variant(tmp_path, edit_tensors=lambda t, path: write_bf16_safetensors(t, path))

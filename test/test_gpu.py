@@ -364,6 +364,17 @@ def test_gpu_random_configs(laguna_gpu, flags, n, seed):
     assert r.returncode == 0, "\n".join(failed)[-3000:] + r.stderr[-2000:]
 
 
+def test_gpu_random_drafters(laguna_gpu):
+    """dev/dflash_fuzz.py --gpu: random drafter configs (head dims 16 / 32, the f32 targets) with target and drafter
+    on the GPU: the draft logits within 1e-4 of dev/dflash_ref.py on laguna's taps, the taps within 1e-5 (relative)
+    of transformers'."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "dev", "dflash_fuzz.py"), "--gpu", "24", "13"],
+                       capture_output=True, text=True, env=dict(os.environ, LAGUNA=laguna_gpu))
+    lines = [line for line in r.stdout.splitlines() if line.startswith(("config", "24 drafters"))]
+    print("\n[gpu] " + (lines[-1] if lines else ""))
+    assert r.returncode == 0, "\n".join(line for line in lines if " ok " not in line)[-3000:] + r.stderr[-2000:]
+
+
 # (experts, top-k): decode_route ranks only the experts at or above the smallest of G >= k groups' bests (G = 8, 16,
 # 32 for k <= 8, 16, 32 with 256 threads); 64 experts leave groups empty (every expert ranked), 320 fill them all
 ROUTER_CASES = [(64, 7), (320, 7), (320, 13), (320, 21)]
