@@ -215,6 +215,18 @@ class LagunaDFlash(nn.Module):
             h = h + layer.down_proj(F.silu(layer.gate_proj(y)) * layer.up_proj(y))
         return rms(h, self.norm, self.eps).reshape(N, K, B, H)
 
+    def randomize(self, gen):
+        """Random test weights (the fixtures' and dev/dflash_fuzz.py's): matrices N(0, 1 / fan_in), norms uniform in
+        [0.5, 1.5) and the q / k norms in [0.8, 2.0)."""
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if p.dim() >= 2:
+                    p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+                else:
+                    lo, hi = (0.8, 2.0) if ("q_norm" in name or "k_norm" in name) else (0.5, 1.5)
+                    p.copy_(torch.empty(p.shape).uniform_(lo, hi, generator=gen))
+        return self
+
     # ---- checkpoint names as on disk (no "model." prefix) ----
     def state_for_disk(self):
         sd = {"fc.weight": self.fc.weight, "hidden_norm.weight": self.hidden_norm, "norm.weight": self.norm}

@@ -317,13 +317,7 @@ def dflash_fixtures():
         os.makedirs(os.path.join(d, "hf"))
         gen = torch.Generator().manual_seed(zlib_crc(name))
         dr = LagunaDFlash(dx["cfg"]).float().eval()
-        with torch.no_grad():
-            for pname, p in dr.named_parameters():
-                if p.dim() >= 2:
-                    p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
-                else:
-                    lo, hi = (0.8, 2.0) if ("q_norm" in pname or "k_norm" in pname) else (0.5, 1.5)
-                    p.copy_(torch.empty(p.shape).uniform_(lo, hi, generator=gen))
+        dr.randomize(gen)
         save_file(dr.state_for_disk(), os.path.join(d, "hf", "model.safetensors"))
         with open(os.path.join(d, "hf", "config.json"), "w") as f:
             json.dump(dx["cfg"], f, indent=1)
