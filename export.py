@@ -973,7 +973,9 @@ def read_drafter_config(hf_dir, cfg, ignore_keys=(), warn=print):
         raise ExportError("drafter config.json has no layer_types (vLLM's Laguna DFlash requires them too)",
                           "add layer_types: the published drafter has sliding_attention on every layer")
     if len(lt) != L or len(set(lt)) != 1 or lt[0] not in ("full_attention", "sliding_attention"):
-        raise ExportError(f"drafter layer_types {lt} must be {L} copies of full_attention or sliding_attention")
+        raise ExportError(f"drafter layer_types {lt} must be {L} copies of full_attention or sliding_attention",
+                          "vLLM's Laguna DFlash drafter refuses mixed layer types too: all its layers share one "
+                          "RoPE and one context K")
     gating = cfg.get("gating", True)
     if gating not in (True, False, "per-head", "per-element", "disabled"):
         raise ExportError(f"drafter gating {gating!r} is not supported (per-head, per-element or disabled)")

@@ -230,7 +230,7 @@ def test_export_refuses_broken_drafters(tmp_path):
     cfg = json.loads((d / "config.json").read_text())
     cfg["layer_types"] = ["sliding_attention", "full_attention"]
     (d / "config.json").write_text(json.dumps(cfg))
-    expect_error(cmd, "layer_types")
+    expect_error(cmd, "layer_types", "mixed layer types")
 
 
 def test_drafter_config_spellings_vllm_reads_alike(tmp_path):
