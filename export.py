@@ -972,10 +972,14 @@ def read_drafter_config(hf_dir, cfg, ignore_keys=(), warn=print):
     if not lt:
         raise ExportError("drafter config.json has no layer_types (vLLM's Laguna DFlash requires them too)",
                           "add layer_types: the published drafter has sliding_attention on every layer")
-    if len(lt) != L or len(set(lt)) != 1 or lt[0] not in ("full_attention", "sliding_attention"):
-        raise ExportError(f"drafter layer_types {lt} must be {L} copies of full_attention or sliding_attention",
-                          "vLLM's Laguna DFlash drafter refuses mixed layer types too: all its layers share one "
-                          "RoPE and one context K")
+    if len(lt) != L:
+        raise ExportError(f"drafter layer_types has {len(lt)} entries for {L} layers (num_hidden_layers)")
+    if len(set(lt)) != 1:
+        raise ExportError(f"drafter layer_types {lt} mixes attention types",
+                          "vLLM's Laguna DFlash drafter refuses mixed layer types too (one RoPE and one context K "
+                          "for every layer): give every layer the same type")
+    if lt[0] not in ("full_attention", "sliding_attention"):
+        raise ExportError(f"drafter layer type {lt[0]!r} is not supported (full_attention or sliding_attention)")
     gating = cfg.get("gating", True)
     if gating not in (True, False, "per-head", "per-element", "disabled"):
         raise ExportError(f"drafter gating {gating!r} is not supported (per-head, per-element or disabled)")

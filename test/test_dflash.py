@@ -230,7 +230,12 @@ def test_export_refuses_broken_drafters(tmp_path):
     cfg = json.loads((d / "config.json").read_text())
     cfg["layer_types"] = ["sliding_attention", "full_attention"]
     (d / "config.json").write_text(json.dumps(cfg))
-    expect_error(cmd, "layer_types", "mixed layer types")
+    expect_error(cmd, "layer_types", "mixes attention types", "mixed layer types")
+    for lt, phrase in ((["sliding_attention"] * 3, "3 entries for 2 layers"),
+                       (["chunked_attention"] * 2, "'chunked_attention' is not supported")):
+        cfg["layer_types"] = lt
+        (d / "config.json").write_text(json.dumps(cfg))
+        expect_error(cmd, phrase)
 
 
 def test_drafter_config_spellings_vllm_reads_alike(tmp_path):
