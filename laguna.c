@@ -58,21 +58,6 @@ float bf16_to_float(uint16_t b) {
     return f;
 }
 
-float fp16_to_float(uint16_t h) {
-    uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 0x1f, man = h & 0x3ff, u;
-    if (exp == 0x1f) u = sign | 0x7f800000u | (man << 13);          /* inf / nan */
-    else if (exp) u = sign | ((exp + 112) << 23) | (man << 13);      /* normal: rebias 15 -> 127 */
-    else if (!man) u = sign;                                          /* zero */
-    else {                                                            /* subnormal: normalise */
-        int e = -1;
-        do { man <<= 1; e++; } while (!(man & 0x400));
-        u = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ff) << 13);
-    }
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 /* Bytes of a tensor's data in the file (see laguna.h for the quantized layout). */
 uint64_t tensor_bytes(int dtype, int ndim, const int64_t *shape) {
     uint64_t n = 1, rows = 1;
@@ -526,7 +511,7 @@ static float dot_q8(const int8_t *q, const uint16_t *scales, const float *x, int
         const float *xg = x + g * LAGUNA_QGROUP;
         float acc = 0.0f;
         for (int i = 0; i < len; i++) acc += (float)qg[i] * xg[i];
-        s += (double)fp16_to_float(scales[g]) * acc;
+        s += (double)fp16_value(scales[g]) * acc;
     }
     return (float)s;
 }
@@ -539,7 +524,7 @@ static float dot_q4(const uint8_t *q, const uint16_t *scales, const float *x, in
         const float *xg = x + g * LAGUNA_QGROUP;
         float acc = 0.0f;
         for (int i = 0; i < len; i++) acc += (float)(((qg[i / 2] >> (4 * (i & 1))) & 15) - 8) * xg[i];
-        s += (double)fp16_to_float(scales[g]) * acc;
+        s += (double)fp16_value(scales[g]) * acc;
     }
     return (float)s;
 }
@@ -549,7 +534,7 @@ static void weight_row(float *out, const Tensor *w, int64_t r, int n) {
     if (w->dtype == DT_F32) { memcpy(out, (const float *)w->data + r * n, n * sizeof(float)); return; }
     for (int i = 0; i < n; i++) {
         if (w->dtype == DT_BF16) { out[i] = bf16_to_float(((const uint16_t *)w->data)[r * n + i]); continue; }
-        float sc = fp16_to_float(w->scales[r * w->groups + i / LAGUNA_QGROUP]);
+        float sc = fp16_value(w->scales[r * w->groups + i / LAGUNA_QGROUP]);
         int v = w->dtype == DT_Q8 ? ((const int8_t *)w->data)[r * w->groups * LAGUNA_QGROUP + i]
               : ((((const uint8_t *)w->data)[r * w->groups * LAGUNA_QGROUP / 2 + i / 2] >> (4 * (i & 1))) & 15) - 8;
         out[i] = v * sc;

@@ -199,7 +199,6 @@ int load_model(Model *m, const char *path, int kind, char *err, size_t errsz);
 void free_model(Model *m);
 const TensorEntry *find_tensor(const Model *m, const char *name);
 float bf16_to_float(uint16_t b);
-float fp16_to_float(uint16_t h);
 uint64_t tensor_bytes(int dtype, int ndim, const int64_t *shape);
 
 /* laguna.cu (GPU backend); a CPU-only build provides stubs that report no GPU */
@@ -263,7 +262,8 @@ static inline LAGUNA_HD float random_weight(uint64_t seed, uint64_t key, uint64_
     int s = (int)(h >> 40) - (1 << 23);                      /* 24 random bits, centred */
     return bf16_round((float)s * (a * (1.0f / 8388608.0f)));  /* one rounding to fp32, then to bf16 */
 }
-/* fp32 -> fp16 bits, round to nearest even; and back (exact). Host and device alike, for the q8/q4 fill below. */
+/* fp32 -> fp16 bits, round to nearest even; and back (exact). Host and device alike: the CPU reads the q8 / q4
+ * scales with fp16_value, and the --random-weights fill below makes them with fp16_bits. */
 static inline LAGUNA_HD uint16_t fp16_bits(float f) {
     union { float f; uint32_t u; } b;
     b.f = f;

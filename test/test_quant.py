@@ -71,6 +71,45 @@ def test_roundtrip_error_bounds(dt, cols):
     assert np.abs(deq).max() <= amax * 1.01
 
 
+def test_fp16_scale_helpers_match_numpy(tmp_path):
+    """laguna.h's fp16_value (how the CPU reads every q8 / q4 scale) decodes all 65,536 codes bit for bit as numpy's
+    float16 does, subnormals and -0 included; fp16_bits (how --random-weights makes scales) rounds fp32 to fp16 as
+    numpy does: ties to even, subnormals, overflow to inf, NaN stays NaN."""
+    import os
+    import subprocess
+    from conftest import ROOT
+    exe = str(tmp_path / "fp8_harness")
+    run([os.environ.get("CC", "cc"), "-O2", "-std=c11", "-Wall", "-Wextra", "-Werror", "-I", ROOT,
+         os.path.join(ROOT, "test", "fp8_harness.c"), "-o", exe, "-lm"])
+    f16 = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    rng = np.random.default_rng(5)
+    finite = f16[np.isfinite(f16)].astype(np.float32)
+    pos = np.unique(np.abs(finite))                                   # 0 .. 65504 ascending
+    mids = (pos[:-1].astype(np.float64) + pos[1:]) / 2                # ties (exact in fp32)
+    xs = np.concatenate([finite, mids.astype(np.float32), -mids.astype(np.float32),
+                         np.float32([65520.0, 65519.99, 2.0 ** -25, 2.0 ** -26, 1e-30, 1e30, np.inf, -np.inf, np.nan]),
+                         np.ldexp(rng.uniform(1, 2, 20000), rng.integers(-30, 18, 20000)).astype(np.float32)])
+    bits = xs.view(np.uint32)
+    bits = np.concatenate([bits, bits + 1, bits - 1, rng.integers(0, 1 << 32, 5000, dtype=np.uint64).astype(np.uint32)])
+    xs = bits.view(np.float32)
+    out = subprocess.run([exe, "fp16"], input="".join(f"{b:08x}\n" for b in bits.tolist()), capture_output=True,
+                         text=True, check=True).stdout.split()
+    got_dec = np.array([int(w, 16) for w in out[:65536]], dtype=np.uint32).view(np.float32)
+    want_dec = f16.astype(np.float32)
+    nan = np.isnan(want_dec)
+    assert np.array_equal(np.isnan(got_dec), nan)
+    assert np.array_equal(got_dec[~nan].view(np.uint32), want_dec[~nan].view(np.uint32))
+    got_enc = np.array([int(w, 16) for w in out[65536:]], dtype=np.uint32).astype(np.uint16)
+    assert len(got_enc) == len(xs)
+    with np.errstate(over="ignore", invalid="ignore"):
+        want_enc = xs.astype(np.float16)
+    nan = np.isnan(want_enc)
+    assert np.array_equal(np.isnan(got_enc.view(np.float16)), nan)
+    bad = np.flatnonzero(got_enc[~nan] != want_enc[~nan].view(np.uint16))
+    print(f"\nfp16: 65,536 codes decoded; {len(xs)} fp32 inputs rounded, {len(bad)} mismatches")
+    assert len(bad) == 0, [(float(xs[~nan][i]), hex(got_enc[~nan][i])) for i in bad[:10]]
+
+
 @pytest.mark.parametrize("dtype", ["q8", "q4"])
 @pytest.mark.parametrize("name", ["xs2_f32", "xs21_bf16", "variant"])
 def test_quantized_kernels_equal_dequantized_weights(laguna, exported, tmp_path, name, dtype):
