@@ -210,6 +210,31 @@ def test_mismatched_drafters_are_refused(laguna, models, exported, tmp_path):
     expect_error([laguna, models["xs2"], "-d", models["xs2"], "--ids", "1 2"], "not a DFlash drafter")
     expect_error([laguna, models["dxs2"], "--ids", "1 2"], "is a DFlash drafter")
     expect_error([laguna, exported("xs21_bf16"), "-d", models["dxs2"], "--ids", "1 2"], "(512)")
+    # a drafter of the target's vocabulary and depth but another hidden size (its weights written from the
+    # shapes export.py expects, so only the width differs)
+    expect_error([laguna, models["xs2"], "-d", drafter_of_width(tmp_path, 32), "--ids", "1 2"],
+                 "hidden size (32) does not match the target's (64)", "trained for this model")
+
+
+def drafter_of_width(tmp_path, hidden):
+    """draft_xs2's config at another hidden size, random weights of the shapes that implies, exported."""
+    import json
+    import sys
+    from safetensors.numpy import save_file
+    from test_model import ROOT
+    sys.path.insert(0, ROOT)
+    import export
+    cfg = json.loads(open(fx("draft_xs2", "hf", "config.json")).read())
+    cfg["hidden_size"] = hidden
+    d = tmp_path / f"width{hidden}"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(cfg))
+    rng = np.random.default_rng(0)
+    shapes = export.SyntheticCheckpoint(cfg, "random").shapes
+    save_file({k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}, str(d / "model.safetensors"))
+    out = str(tmp_path / f"width{hidden}.bin")
+    run([sys.executable, os.path.join(ROOT, "export.py"), "-q", str(d), out])
+    return out
 
 
 def test_export_refuses_broken_drafters(tmp_path):

@@ -207,6 +207,11 @@ def test_foreign_and_wrong_version_files(laguna, exported, tmp_path):
     newer[4:8] = struct.pack("<I", 99)
     p.write_bytes(bytes(newer))
     expect_error([laguna, str(p), "--ids", "1"], "version 99", "newer")
+    older = bytearray(data)
+    version = struct.unpack_from("<I", data, 4)[0]
+    older[4:8] = struct.pack("<I", version - 1)
+    p.write_bytes(bytes(older))
+    expect_error([laguna, str(p), "--ids", "1"], f"old format version {version - 1}", "re-run export.py")
     expect_error([laguna, str(tmp_path / "nope.bin"), "--ids", "1"], "cannot open")
 
 
@@ -248,6 +253,7 @@ def test_bad_flags(laguna, exported):
     expect_error([laguna, exported("xs2_f32"), "--bogus"], "unknown option --bogus")
     expect_error([laguna, exported("xs2_f32"), "-n"], "-n needs a value")
     expect_error([laguna, exported("xs2_f32"), "--kv", "fp16", "x"], "--kv takes bf16, f32 or fp8")
+    expect_error([laguna, exported("xs2_f32"), "--ids", "1", "2"], "unexpected argument '2'", "quote the prompt")
     r = run([laguna, "--help"])
     for flag in ("-n", "-t", "-p", "-s", "-c", "-i", "--raw", "--cpu", "--tokenize", "--score", "--logits",
                  "-m", "--think", "-y", "--kv"):
@@ -384,6 +390,12 @@ def test_random_weights_hook_is_deterministic(laguna, exported, tmp_path):
     assert (a == b).all() and not np.allclose(a, c)
     ref = np.load(fixture_file("xs2_f32", "logits.npy")).ravel()
     assert not np.allclose(a, ref)
+
+
+def test_prompt_file_with_a_nul_byte_is_refused(laguna, exported, tmp_path):
+    p = tmp_path / "prompt.txt"
+    p.write_bytes(b"def\0f(): pass\n")
+    expect_error([laguna, exported("xs21_bf16"), "-i", str(p), "-n", "1"], "has a NUL byte at offset 3", "text (UTF-8)")
 
 
 def test_bad_numbers_on_the_command_line(laguna, exported):
