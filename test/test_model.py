@@ -141,6 +141,45 @@ def test_rope_config_drift_cases(tmp_path):
             assert scale == t["attention_scaling"], (name, lt)
 
 
+def test_rope_spellings_read_alike(tmp_path):
+    """The same RoPE written the other ways export.py reads give the same tables: the older flat rope_parameters
+    (full layers) with swa_rope_parameters (sliding layers), with rope_theta / partial_rotary_factor at the top
+    level, and no rope_parameters at all (transformers' LagunaConfig defaults)."""
+    src = json.load(open(fixture_file("xs2_f32", "hf/config.json")))
+    full = src["rope_parameters"]["full_attention"]
+    sliding = dict(src["rope_parameters"]["sliding_attention"], rope_theta=5000.0)     # not the default
+
+    def tables(name, **edit):
+        cfg = {k: v for k, v in src.items() if k != "rope_parameters"}
+        cfg.update({k: v for k, v in edit.items() if v is not None})
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(cfg))
+        notes = []
+        c = export.read_config(str(d), warn=notes.append)
+        return {lt: (inv.tobytes(), scale, rd) for lt, (inv, scale, rd) in c["rope"].items()}, notes
+
+    nested, _ = tables("nested", rope_parameters={"full_attention": full, "sliding_attention": sliding})
+    flat, notes = tables("flat", rope_parameters=full, swa_rope_parameters=sliding)
+    assert flat == nested and any("flat rope_parameters" in n for n in notes)
+    top, _ = tables("top", rope_parameters={k: v for k, v in full.items() if k not in ("rope_theta",
+                                                                                       "partial_rotary_factor")},
+                    rope_theta=full["rope_theta"], partial_rotary_factor=full["partial_rotary_factor"],
+                    swa_rope_parameters=sliding)
+    assert top == nested
+    assert flat["full_attention"] != tables("other", rope_parameters=dict(full, factor=16.0))[0]["full_attention"]
+    # no rope_parameters: transformers' defaults (full 500000 / half the head rotated, sliding 10000 / all of it)
+    defaults = {"full_attention": {"rope_type": "default", "rope_theta": 500000.0, "partial_rotary_factor": 0.5},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}}
+    try:
+        from transformers import LagunaConfig
+        assert LagunaConfig().rope_parameters == defaults
+    except ImportError:
+        pass
+    absent, _ = tables("absent")
+    assert absent == tables("defaults", rope_parameters=defaults)[0] != nested
+
+
 def test_spec_rope_hex_tables():
     """The tables in ../shared/spec/laguna-arch.md section 2.1, for the real head_dim 128."""
     sliding = export.rope_default_inv_freq(10000.0, 128).view(np.uint32)
