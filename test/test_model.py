@@ -215,6 +215,51 @@ def test_sharded_checkpoint_exports_identically(laguna, exported, tmp_path):
     assert open(out, "rb").read() == open(exported("xs2_f32"), "rb").read()
 
 
+def test_in_memory_layout_exports_identically(exported, tmp_path):
+    """A checkpoint saved in transformers' in-memory layout (each MoE layer's experts fused into gate_up_proj
+    [E, 2I, H], gate rows first, and down_proj [E, H, I]; the correction bias under mlp.gate; the shared expert as
+    mlp.shared_experts) exports to the same file as save_pretrained's per-expert layout. With torch, transformers
+    itself loads the fused checkpoint into the same weights."""
+    from safetensors.numpy import load_file, save_file
+    src = os.path.join(FIXTURES, "xs2_f32", "hf")
+    d = tmp_path / "fused"
+    d.mkdir()
+    for f in ("config.json", "generation_config.json"):
+        shutil.copy(os.path.join(src, f), d)
+    t = load_file(os.path.join(src, "model.safetensors"))
+    cfg = json.load(open(os.path.join(src, "config.json")))
+    for l, kind in enumerate(cfg["mlp_layer_types"]):
+        if kind != "sparse":
+            continue
+        p = f"model.layers.{l}.mlp."
+        E = cfg["num_experts"]
+        gate_up = [np.concatenate([t.pop(p + f"experts.{e}.gate_proj.weight"), t.pop(p + f"experts.{e}.up_proj.weight")])
+                   for e in range(E)]
+        t[p + "experts.gate_up_proj"] = np.stack(gate_up)
+        t[p + "experts.down_proj"] = np.stack([t.pop(p + f"experts.{e}.down_proj.weight") for e in range(E)])
+        t[p + "gate.e_score_correction_bias"] = t.pop(p + "experts.e_score_correction_bias")
+        for part in ("gate_proj", "up_proj", "down_proj"):
+            t[p + f"shared_experts.{part}.weight"] = t.pop(p + f"shared_expert.{part}.weight")
+    save_file(t, str(d / "model.safetensors"))
+    out = str(tmp_path / "fused.bin")
+    run([sys.executable, os.path.join(ROOT, "export.py"), "-q", str(d), out])
+    assert open(out, "rb").read() == open(exported("xs2_f32"), "rb").read()
+    try:
+        import torch
+        from transformers import LagunaForCausalLM
+    except ImportError:
+        return
+    for name in [n for n in t if ".shared_experts." in n]:   # the plural is not transformers' name: undo it
+        t[name.replace(".shared_experts.", ".shared_expert.")] = t.pop(name)
+    save_file(t, str(d / "model.safetensors"))
+    want = LagunaForCausalLM.from_pretrained(src, dtype=torch.float32).state_dict()
+    got = LagunaForCausalLM.from_pretrained(str(d), dtype=torch.float32).state_dict()
+    assert want.keys() == got.keys()
+    for k in want:
+        assert torch.equal(want[k], got[k]), k
+    print(f"\ntransformers loads the fused layout into the same {len(want)} tensors")
+
+
 # ---------------------------------------------------------------------------------------------
 # bad input: a clear message, a non-zero exit, no crash
 
