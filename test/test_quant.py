@@ -207,3 +207,35 @@ def test_random_weights_on_quantized_file_are_the_quantized_hash_values(laguna, 
         out[key] = np.fromfile(tmp_path / f"{key}.bin", dtype=np.float32)
     assert np.array_equal(out["hook"], out["file"])
     assert not np.array_equal(out["hook"], out["plain"])
+
+
+def test_reexporting_a_laguna_file_equals_exporting_its_checkpoint(exported, tmp_path):
+    """export.py FILE.bin OUT.bin --dtype D (how models/tiny.bin is quantized) writes what exporting the checkpoint at
+    D writes, for a target and a drafter; bf16 -> f32 -> bf16 comes back bit for bit; a quantized or foreign source
+    is refused."""
+    import os
+    import sys
+    from conftest import ROOT
+    from test_model import expect_error
+
+    def reexport(src, dtype, name):
+        out = str(tmp_path / name)
+        run([sys.executable, os.path.join(ROOT, "export.py"), "-q", src, out, "--dtype", dtype])
+        return out
+
+    f32 = exported("xs2_f32")
+    for dtype in ("bf16", "q8", "q4"):
+        got = open(reexport(f32, dtype, f"xs2_{dtype}.bin"), "rb").read()
+        assert got == open(exported("xs2_f32", "--dtype", dtype), "rb").read(), dtype
+    bf16 = exported("xs2_f32", "--dtype", "bf16")
+    back = reexport(reexport(bf16, "f32", "up.bin"), "bf16", "down.bin")
+    assert open(back, "rb").read() == open(bf16, "rb").read()
+    assert open(reexport(bf16, "auto", "same.bin"), "rb").read() == open(bf16, "rb").read()
+    d = reexport(exported("draft_xs2"), "q8", "draft_q8.bin")
+    assert open(d, "rb").read() == open(exported("draft_xs2", "--dtype", "q8"), "rb").read()
+    cmd = [sys.executable, os.path.join(ROOT, "export.py"), "-q"]
+    expect_error(cmd + [exported("xs2_f32", "--dtype", "q8"), str(tmp_path / "x.bin"), "--dtype", "q4"],
+                 "already quantized", "export from the checkpoint")
+    foreign = tmp_path / "foreign.bin"
+    foreign.write_bytes(b"GGUF" + bytes(60))
+    expect_error(cmd + [str(foreign), str(tmp_path / "y.bin")], "is not a laguna file")
