@@ -266,8 +266,9 @@ def test_export_refuses_broken_drafters(tmp_path):
 def test_drafter_config_spellings_vllm_reads_alike(tmp_path):
     """Config spellings vLLM resolves to the same drafter export to the same file: taps given as
     eagle_aux_hidden_state_layer_ids (the state entering layer k: tap k - 1) with or without target_layer_ids,
-    a sliding drafter without dflash_config.causal (vLLM: sliding layers are causal), a top-level is_causal, and
-    rope_scaling (transformers' alias of rope_parameters) in place of rope_parameters."""
+    a sliding drafter without dflash_config.causal (vLLM: sliding layers are causal), a top-level is_causal,
+    rope_scaling (transformers' alias of rope_parameters) in place of rope_parameters, the RoPE nested by layer type
+    or with its theta at the top level, and swa_rope_parameters (they set a sliding drafter's RoPE)."""
     base = open(exported_drafter_variant(tmp_path / "base"), "rb").read()
     edits = {
         "eagle_and_taps": lambda c: c.update(eagle_aux_hidden_state_layer_ids=[2, 5, 8]),
@@ -276,6 +277,13 @@ def test_drafter_config_spellings_vllm_reads_alike(tmp_path):
         "causal_absent": lambda c: c["dflash_config"].pop("causal"),
         "is_causal": lambda c: (c["dflash_config"].pop("causal"), c.update(is_causal=True)),
         "rope_scaling": lambda c: c.update(rope_scaling=c.pop("rope_parameters")),
+        # RoPE nested by layer type, or under full_attention only (vLLM falls back to it), or with rope_theta at the
+        # top level; and swa_rope_parameters, which set a sliding drafter's RoPE whatever rope_parameters says
+        "rope_nested": lambda c: c.update(rope_parameters={"sliding_attention": c["rope_parameters"]}),
+        "rope_nested_full": lambda c: c.update(rope_parameters={"full_attention": c["rope_parameters"]}),
+        "rope_theta_top": lambda c: c.update(rope_theta=c["rope_parameters"].pop("rope_theta")),
+        "swa_rope": lambda c: c.update(swa_rope_parameters=c["rope_parameters"],
+                                       rope_parameters={"rope_type": "default", "rope_theta": 1000.0}),
     }
     for name, edit in edits.items():
         got = open(exported_drafter_variant(tmp_path / name, edit_config=edit), "rb").read()
@@ -283,7 +291,9 @@ def test_drafter_config_spellings_vllm_reads_alike(tmp_path):
     # and the spellings that mean something else give another file: non-causal, other RoPE
     for name, edit in {"is_causal_false": lambda c: c.update(is_causal=False),
                        "rope_scaling_wins": lambda c: c.update(rope_scaling={"rope_type": "default",
-                                                                              "rope_theta": 1000.0})}.items():
+                                                                              "rope_theta": 1000.0}),
+                       "swa_rope_wins": lambda c: c.update(swa_rope_parameters={"rope_type": "default",
+                                                                                "rope_theta": 1000.0})}.items():
         assert open(exported_drafter_variant(tmp_path / name, edit_config=edit), "rb").read() != base, name
 
 
