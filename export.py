@@ -356,6 +356,20 @@ USED_KEYS = {
 }
 
 
+def refuse_prequantized(cfg, ignore_keys, what="config.json"):
+    """A quantization_config marks a pre-quantized checkpoint (poolside's FP8 / INT4 / NVFP4 releases): its weights
+    are packed in formats laguna does not read. Say so plainly rather than as an unknown key."""
+    qc = cfg.get("quantization_config")
+    if qc is None or "quantization_config" in ignore_keys:
+        return
+    method = qc.get("quant_method", "?") if isinstance(qc, dict) else qc
+    fmt = qc.get("format") if isinstance(qc, dict) else None
+    raise ExportError(f"{what} has a quantization_config (quant_method {method!r}"
+                      f"{f', format {fmt!r}' if fmt else ''}): this is a pre-quantized checkpoint, whose packed "
+                      "weights laguna does not read",
+                      "export the bf16 checkpoint instead and quantize it here with --dtype q8 or --dtype q4")
+
+
 def read_config(hf_dir, ignore_keys=(), warn=print):
     path = os.path.join(hf_dir, "config.json")
     if not os.path.exists(path):
@@ -368,6 +382,7 @@ def read_config(hf_dir, ignore_keys=(), warn=print):
     archs = cfg.get("architectures") or ["LagunaForCausalLM"]
     if "LagunaForCausalLM" not in archs:
         raise ExportError(f"unsupported architecture {archs}", "expected LagunaForCausalLM")
+    refuse_prequantized(cfg, ignore_keys)
     unknown = sorted(k for k in cfg if k not in IGNORED_KEYS and k not in USED_KEYS and k not in ignore_keys)
     if unknown:
         raise ExportError(f"config.json has keys laguna does not know: {', '.join(unknown)}",
@@ -938,6 +953,7 @@ def drafter_causal(cfg, dc, lt):
 
 
 def read_drafter_config(hf_dir, cfg, ignore_keys=(), warn=print):
+    refuse_prequantized(cfg, ignore_keys, "drafter config.json")
     unknown = sorted(k for k in cfg if k not in DRAFTER_IGNORED and k not in DRAFTER_USED and k not in ignore_keys)
     if unknown:
         raise ExportError(f"drafter config.json has keys laguna does not know: {', '.join(unknown)}",

@@ -306,7 +306,8 @@ def test_export_refuses_drafter_configs_it_cannot_read(tmp_path):
              (lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 2, 3]), "name different taps"),
              (lambda c: c.update(eagle_aux_hidden_state_layer_ids=[0, 5, 8]), "embeddings"),
              (lambda c: c.pop("layer_types"), "no layer_types"),
-             (lambda c: c.update(sliding_window=None), "sliding_window is null")]
+             (lambda c: c.update(sliding_window=None), "sliding_window is null"),
+             (lambda c: c.update(quantization_config={"quant_method": "fp8"}), "pre-quantized checkpoint")]
     for i, (edit, phrase) in enumerate(cases):
         d = tmp_path / f"d{i}"
         shutil.copytree(fx("draft_xs2", "hf"), d)
