@@ -356,6 +356,26 @@ USED_KEYS = {
 }
 
 
+# Keys of the older remote-code LagunaConfig (vLLM's Laguna reads them): each is taken at the value that is
+# Laguna's math (transformers' implementation has no switch for it) and refused at any other.
+SWITCH_KEYS = {
+    "qkv_bias": (False, "biases on q / k / v"),
+    "swa_attention_sink_enabled": (False, "attention sinks on the sliding layers"),
+    "moe_router_use_sigmoid": (True, "a router that is not a sigmoid"),
+    "moe_router_score_func": ("sigmoid", "a router score function other than the sigmoid"),
+    "rope_style": ("rotate-half", "RoPE pairs other than rotate-half (dims i and i + d/2)"),
+}
+
+
+def refuse_switches(cfg, ignore_keys, what="config.json", keys=tuple(SWITCH_KEYS)):
+    for key in keys:
+        want, meaning = SWITCH_KEYS[key]
+        if key in cfg and key not in ignore_keys and cfg[key] is not None and cfg[key] != want:
+            raise ExportError(f"{what} sets {key} = {json.dumps(cfg[key])}: {meaning}, which laguna (like "
+                              f"transformers' Laguna) does not implement; it reads only {json.dumps(want)}",
+                              f"if the checkpoint does not use it after all, pass --ignore-key {key}")
+
+
 def refuse_prequantized(cfg, ignore_keys, what="config.json"):
     """A quantization_config marks a pre-quantized checkpoint (poolside's FP8 / INT4 / NVFP4 releases): its weights
     are packed in formats laguna does not read. Say so plainly rather than as an unknown key."""
@@ -383,7 +403,9 @@ def read_config(hf_dir, ignore_keys=(), warn=print):
     if "LagunaForCausalLM" not in archs:
         raise ExportError(f"unsupported architecture {archs}", "expected LagunaForCausalLM")
     refuse_prequantized(cfg, ignore_keys)
-    unknown = sorted(k for k in cfg if k not in IGNORED_KEYS and k not in USED_KEYS and k not in ignore_keys)
+    refuse_switches(cfg, ignore_keys)
+    unknown = sorted(k for k in cfg if k not in IGNORED_KEYS and k not in USED_KEYS and k not in SWITCH_KEYS and
+                     k not in ignore_keys)
     if unknown:
         raise ExportError(f"config.json has keys laguna does not know: {', '.join(unknown)}",
                           "they may change the math; if you are sure they do not, pass --ignore-key KEY for each")
@@ -954,7 +976,10 @@ def drafter_causal(cfg, dc, lt):
 
 def read_drafter_config(hf_dir, cfg, ignore_keys=(), warn=print):
     refuse_prequantized(cfg, ignore_keys, "drafter config.json")
-    unknown = sorted(k for k in cfg if k not in DRAFTER_IGNORED and k not in DRAFTER_USED and k not in ignore_keys)
+    # a drafter has no MoE: the router's keys, copied from its target's config, change nothing
+    refuse_switches(cfg, ignore_keys, "drafter config.json", ("qkv_bias", "swa_attention_sink_enabled", "rope_style"))
+    unknown = sorted(k for k in cfg if k not in DRAFTER_IGNORED and k not in DRAFTER_USED and k not in SWITCH_KEYS
+                     and k not in ignore_keys)
     if unknown:
         raise ExportError(f"drafter config.json has keys laguna does not know: {', '.join(unknown)}",
                           "they may change the math; if you are sure they do not, pass --ignore-key KEY for each")

@@ -277,6 +277,9 @@ def test_drafter_config_spellings_vllm_reads_alike(tmp_path):
         "causal_absent": lambda c: c["dflash_config"].pop("causal"),
         "is_causal": lambda c: (c["dflash_config"].pop("causal"), c.update(is_causal=True)),
         "rope_scaling": lambda c: c.update(rope_scaling=c.pop("rope_parameters")),
+        # the older config's switches at Laguna's values (the router's at any: a drafter has no MoE)
+        "switches": lambda c: c.update(qkv_bias=False, swa_attention_sink_enabled=False, rope_style="rotate-half",
+                                       moe_router_use_sigmoid=False),
         # RoPE nested by layer type, or under full_attention only (vLLM falls back to it), or with rope_theta at the
         # top level; and swa_rope_parameters, which set a sliding drafter's RoPE whatever rope_parameters says
         "rope_nested": lambda c: c.update(rope_parameters={"sliding_attention": c["rope_parameters"]}),
@@ -307,7 +310,8 @@ def test_export_refuses_drafter_configs_it_cannot_read(tmp_path):
              (lambda c: c.update(eagle_aux_hidden_state_layer_ids=[0, 5, 8]), "embeddings"),
              (lambda c: c.pop("layer_types"), "no layer_types"),
              (lambda c: c.update(sliding_window=None), "sliding_window is null"),
-             (lambda c: c.update(quantization_config={"quant_method": "fp8"}), "pre-quantized checkpoint")]
+             (lambda c: c.update(quantization_config={"quant_method": "fp8"}), "pre-quantized checkpoint"),
+             (lambda c: c.update(qkv_bias=True), "sets qkv_bias = true")]
     for i, (edit, phrase) in enumerate(cases):
         d = tmp_path / f"d{i}"
         shutil.copytree(fx("draft_xs2", "hf"), d)

@@ -414,6 +414,25 @@ def test_export_config_refusals(tmp_path):
     run(export_cmd(d, tmp_path) + ["--ignore-key", "my_note", "-q"])
 
 
+def test_export_older_switch_keys(exported, tmp_path):
+    """The older remote-code config's switches (vLLM's Laguna reads them): at the values that are Laguna's math
+    the file is the same as without them; any other value is refused, naming the key and what it would mean."""
+    d = copy_fixture(tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    noop = dict(qkv_bias=False, swa_attention_sink_enabled=False, moe_router_use_sigmoid=True,
+                moe_router_score_func="sigmoid", rope_style="rotate-half")
+    (d / "config.json").write_text(json.dumps(dict(cfg, **noop)))
+    run(export_cmd(d, tmp_path) + ["-q"])
+    assert open(tmp_path / "out.bin", "rb").read() == open(exported("xs2_f32"), "rb").read()
+    for key, value, phrase in (("qkv_bias", True, "biases on q / k / v"),
+                               ("swa_attention_sink_enabled", True, "attention sinks"),
+                               ("moe_router_use_sigmoid", False, "not a sigmoid"),
+                               ("moe_router_score_func", "sqrtsoftplus", "score function"),
+                               ("rope_style", "interleaved", "rotate-half")):
+        (d / "config.json").write_text(json.dumps(dict(cfg, **{key: value})))
+        expect_error(export_cmd(d, tmp_path), f"sets {key} = {json.dumps(value)}", phrase, "--ignore-key")
+
+
 def test_export_streams_with_small_memory(tmp_path):
     """Peak RSS of export.py stays far below the checkpoint size (it streams tensor by tensor)."""
     from safetensors.numpy import save_file
