@@ -427,6 +427,23 @@ def test_chat_random_conversations_match_jinja(which, request, hf):
     check_parity(h, hf, [g for g in got if not g.startswith("ERR")], f"chat {which} renderings encoded")
 
 
+def test_chat_template_as_named_list(tmp_path):
+    """tokenizer_config.json's chat_template may be a list of named templates: the "default" one is used, as
+    transformers' apply_chat_template does, so the export equals the plain-string form."""
+    v2 = os.path.join(DATA, "v2", "tokenizer_config.json")
+    config = json.load(open(v2, encoding="utf-8"))
+    named = dict(config, chat_template=[{"name": "tool_use", "template": "{{ not the default"},
+                                        {"name": "default", "template": config["chat_template"]}])
+    blobs = []
+    for name, cfg in (("plain", config), ("named", named)):
+        d = tmp_path / name
+        d.mkdir()
+        shutil.copy(os.path.join(DATA, "tokenizer.json"), d / "tokenizer.json")
+        (d / "tokenizer_config.json").write_text(json.dumps(cfg), encoding="utf-8")
+        blobs.append(export.tokenizer_blob(str(d)))
+    assert blobs[0] == blobs[1]
+
+
 def test_jinja_setup_matches_transformers():
     # export.py renders templates like transformers' apply_chat_template; check that on both templates
     try:
