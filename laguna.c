@@ -1694,7 +1694,11 @@ int main(int argc, char **argv) {
     /* the backend first: it sets the default chunk */
     int use_gpu = !o.cpu && gpu_available(info, sizeof info);
     int max_tokens = o.chunk ? o.chunk : use_gpu ? 2048 : 64;   /* GPU: big prefill chunks */
-    if (o.draft_path && max_tokens < 64) max_tokens = 64;   /* a verify block must fit in one forward */
+    if (o.draft_path && max_tokens < 64) {                   /* a verify block must fit in one forward */
+        if (!o.quiet) fprintf(stderr, "note: --chunk %d raised to 64 with a drafter (a verify block is one forward)\n",
+                              max_tokens);
+        max_tokens = 64;
+    }
     int ctx = choose_ctx(c, &o, max_tokens);
     if (max_tokens > ctx) max_tokens = ctx;
     Engine eng = {&model, NULL};

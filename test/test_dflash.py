@@ -237,6 +237,14 @@ def drafter_of_width(tmp_path, hidden):
     return out
 
 
+def test_small_chunk_is_raised_for_the_verify_block(laguna, models):
+    """--chunk below a verify block is raised to 64 with a note, and the output stays the target's own."""
+    prompt = " ".join(ids_of(fx("xs2_f32", "score.txt"))[:20])
+    want, _ = generate(laguna, models["xs2"], prompt, "-n", "20", "-q", "--chunk", "4")
+    got, err = generate(laguna, models["xs2"], prompt, "-n", "20", "-d", models["dxs2"], "--chunk", "4")
+    assert got == want and "--chunk 4 raised to 64 with a drafter" in err
+
+
 def test_export_refuses_broken_drafters(tmp_path):
     import json
     import shutil
