@@ -243,7 +243,9 @@ static int bind_weights(Model *m, char *err, size_t errsz) {
 #define N(...) snprintf(name, sizeof name, __VA_ARGS__)
     N("model.norm.weight"); B(&w->final_norm, 1, 1, H, 0, 0);
     if (c->block_size) {     /* a DFlash drafter: context fusion; embed and lm_head come from the target */
-        if (c->n_taps <= 0 || c->block_size < 2) FAIL("drafter %s has no taps or a bad block size", m->path);
+        if (c->n_taps <= 0 || c->block_size < 2 || c->block_size > 64)      /* export.py's bounds */
+            FAIL("drafter %s has no taps or a block size outside 2..64 (%d)\n  hint: %s", m->path, c->block_size,
+                 HINT_REEXPORT);
         N("dflash.fc.weight"); B(&w->fc, 0, 2, H, (int64_t)c->n_taps * H, 0);
         N("dflash.hidden_norm.weight"); B(&w->hidden_norm, 1, 1, H, 0, 0);
         for (int i = 0; i < c->n_taps; i++) { N("dflash.aux_hidden_norms.%d.weight", i); B(&w->aux_norm[i], 1, 1, H, 0, 0); }
@@ -1365,7 +1367,6 @@ static void dflash_init(DFlash *df, Model *d, const char *path, Model *target, G
     else if (draft_max + 1 > df->block)
         fprintf(stderr, "note: --draft-max %d is more than this drafter's block allows; it drafts %d\n", draft_max,
                 df->block - 1);
-    if (df->block > 64) df->block = 64;
     /* rollback is safe when the target's sliding rings hold W + block - 1 rows: they hold W + max_tokens - 1 */
     if (target->state.max_tokens < df->block && target->state.max_tokens < ctx)
         die("a verify block of %d tokens does not fit a forward of %d\n  hint: raise --chunk", df->block,

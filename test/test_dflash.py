@@ -207,6 +207,9 @@ def test_mismatched_drafters_are_refused(laguna, models, exported, tmp_path):
     p = tmp_path / "d.bin"
     p.write_bytes(data)
     expect_error([laguna, exported("variant"), "-d", str(p), "--ids", "1 2"], "taps target layer 7")
+    # a block size past what export.py writes (2..64)
+    p.write_bytes(open(models["dxs2"], "rb").read().replace(b"dflash_block_size=16\n", b"dflash_block_size=99\n"))
+    expect_error([laguna, models["xs2"], "-d", str(p), "--ids", "1 2"], "block size outside 2..64 (99)")
     expect_error([laguna, models["xs2"], "-d", models["xs2"], "--ids", "1 2"], "not a DFlash drafter")
     expect_error([laguna, models["dxs2"], "--ids", "1 2"], "is a DFlash drafter")
     expect_error([laguna, exported("xs21_bf16"), "-d", models["dxs2"], "--ids", "1 2"], "(512)")
