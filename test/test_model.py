@@ -296,6 +296,9 @@ def test_foreign_and_wrong_version_files(laguna, exported, tmp_path):
     older[4:8] = struct.pack("<I", version - 1)
     p.write_bytes(bytes(older))
     expect_error([laguna, str(p), "--ids", "1"], f"old format version {version - 1}", "re-run export.py")
+    # a config key this laguna does not know: a file from a newer export.py
+    p.write_bytes(bytes(data).replace(b"\nsliding_window=", b"\nsliding_windoX=", 1))
+    expect_error([laguna, str(p), "--ids", "1"], "unknown config key 'sliding_windoX'", "newer", "update laguna")
     expect_error([laguna, str(tmp_path / "nope.bin"), "--ids", "1"], "cannot open")
 
 
