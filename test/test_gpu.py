@@ -901,6 +901,33 @@ def test_gpu_dflash_greedy_lossless(laguna_gpu, exported, pair, plens):
         assert total > 0             # blocks were partly accepted: the caches were rolled back mid-block
 
 
+@pytest.mark.parametrize("pair", ["xs2", "v16"])
+@pytest.mark.parametrize("block", [33, 64])
+def test_gpu_dflash_large_blocks_lossless(laguna_gpu, exported, tmp_path, pair, block):
+    """Drafters up to export's largest block (64; Laguna's is 16): verify forwards of up to 64 tokens on the GPU.
+    Each pair's drafter at that block size: GPU with it == CPU without it, and the same steps, drafts and accepts
+    as the CPU's loop."""
+    import json
+    tgt, drf = DRAFT_PAIRS[pair]
+    d = tmp_path / "hf"
+    shutil.copytree(fx(drf, "hf"), d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["dflash_config"]["block_size"] = block
+    (d / "config.json").write_text(json.dumps(cfg))
+    drafter = str(tmp_path / "d.bin")
+    run([sys.executable, os.path.join(ROOT, "export.py"), "-q", str(d), drafter])
+    target, score = exported(tgt), score_ids(tgt)
+    for plen in (2, 12):
+        prompt = " ".join(score[:plen])
+        cpu = greedy(laguna_gpu, target, prompt, "-n", "150", "--cpu")
+        args = [laguna_gpu, target, "--ids", prompt, "-t", "0", "-n", "150", "-d", drafter]
+        r = run(args)
+        assert r.stdout.split() == cpu and "gpu drafter:" in r.stderr, plen
+        counts = dflash_counts(r.stderr)
+        assert counts == dflash_counts(run(args + ["--cpu"]).stderr), plen
+        print(f"\n[gpu dflash] {pair} block {block}, prompt {plen}: steps / drafted / accepted {counts}")
+
+
 def test_gpu_dflash_rollback_logits_equal_a_fresh_pass(laguna_gpu, exported, tmp_path):
     """After every accept length the logits rows the GPU loop used (--logits traces them) equal a fresh
     teacher-forced pass over the committed text: the position-indexed caches were rolled back correctly."""
