@@ -1345,7 +1345,9 @@ def export_model(hf_dir, out_path, dtype="auto", ignore_keys=(), quiet=False):
         say("note: no tokenizer.json: the file will take token ids only (--ids, --score)")
     else:
         if len(tok) and tokenizer_vocab_size_hint(tok) > c["vocab_size"]:
-            raise ExportError("the tokenizer has more ids than the model's vocab_size")
+            raise ExportError(f"tokenizer.json has {tokenizer_vocab_size_hint(tok)} ids but config.json's vocab_size is "
+                              f"{c['vocab_size']}: the embedding has no row for the ids past it",
+                              "is tokenizer.json from another checkpoint? use the one saved with these weights")
         arr = np.frombuffer(tok, dtype=np.uint8)
         plan.append(("tokenizer", DT_U8, (len(tok),), lambda arr=arr: iter([arr])))
     layers = c["n_layers"]

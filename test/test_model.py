@@ -417,6 +417,17 @@ def test_export_config_refusals(tmp_path):
     run(export_cmd(d, tmp_path) + ["--ignore-key", "my_note", "-q"])
 
 
+def test_export_refuses_a_tokenizer_larger_than_the_vocabulary(tmp_path):
+    d = copy_fixture(tmp_path, "xs21_bf16")
+    j = json.loads((d / "tokenizer.json").read_text(encoding="utf-8"))
+    vocab = json.loads((d / "config.json").read_text())["vocab_size"]
+    j["added_tokens"].append({"id": vocab, "content": "<one_too_many>", "single_word": False, "lstrip": False,
+                              "rstrip": False, "normalized": False, "special": True})
+    (d / "tokenizer.json").write_text(json.dumps(j), encoding="utf-8")
+    expect_error(export_cmd(d, tmp_path), f"tokenizer.json has {vocab + 1} ids but config.json's vocab_size is {vocab}",
+                 "another checkpoint")
+
+
 def test_export_older_switch_keys(exported, tmp_path):
     """The older remote-code config's switches (vLLM's Laguna reads them): at the values that are Laguna's math
     the file is the same as without them; any other value is refused, naming the key and what it would mean."""
