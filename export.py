@@ -1344,8 +1344,9 @@ def export_model(hf_dir, out_path, dtype="auto", ignore_keys=(), quiet=False):
     if tok is None:
         say("note: no tokenizer.json: the file will take token ids only (--ids, --score)")
     else:
-        if len(tok) and tokenizer_vocab_size_hint(tok) > c["vocab_size"]:
-            raise ExportError(f"tokenizer.json has {tokenizer_vocab_size_hint(tok)} ids but config.json's vocab_size is "
+        n_tok = tokenizer_vocab_size_hint(tok) if len(tok) else 0
+        if n_tok > c["vocab_size"]:
+            raise ExportError(f"tokenizer.json has {n_tok} ids but config.json's vocab_size is "
                               f"{c['vocab_size']}: the embedding has no row for the ids past it",
                               "is tokenizer.json from another checkpoint? use the one saved with these weights")
         arr = np.frombuffer(tok, dtype=np.uint8)

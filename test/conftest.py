@@ -17,6 +17,14 @@ def run(cmd, check=True, **kw):
     return r
 
 
+def build_fp8_harness(out_dir):
+    """test/fp8_harness.c (laguna.h's e4m3 / bf16 / fp16 rounding helpers), built warning-free; returns its path."""
+    exe = os.path.join(str(out_dir), "fp8_harness")
+    run([os.environ.get("CC", "cc"), "-O2", "-std=c11", "-Wall", "-Wextra", "-Werror", "-I", ROOT,
+         os.path.join(ROOT, "test", "fp8_harness.c"), "-o", exe, "-lm"])
+    return exe
+
+
 @pytest.fixture(scope="session")
 def laguna():
     run(["make", "-C", ROOT, "laguna"])

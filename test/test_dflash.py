@@ -220,24 +220,16 @@ def test_mismatched_drafters_are_refused(laguna, models, exported, tmp_path):
 
 
 def drafter_of_width(tmp_path, hidden):
-    """draft_xs2's config at another hidden size, random weights of the shapes that implies, exported."""
+    """draft_xs2 at another hidden size, with random weights of the shapes export.py expects for it, exported."""
     import json
-    import sys
     from safetensors.numpy import save_file
-    from test_model import ROOT
-    sys.path.insert(0, ROOT)
     import export
-    cfg = json.loads(open(fx("draft_xs2", "hf", "config.json")).read())
-    cfg["hidden_size"] = hidden
-    d = tmp_path / f"width{hidden}"
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps(cfg))
+    cfg = dict(json.loads(open(fx("draft_xs2", "hf", "config.json")).read()), hidden_size=hidden)
     rng = np.random.default_rng(0)
-    shapes = export.SyntheticCheckpoint(cfg, "random").shapes
-    save_file({k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}, str(d / "model.safetensors"))
-    out = str(tmp_path / f"width{hidden}.bin")
-    run([sys.executable, os.path.join(ROOT, "export.py"), "-q", str(d), out])
-    return out
+    weights = {k: rng.standard_normal(s).astype(np.float32)
+               for k, s in export.SyntheticCheckpoint(cfg, "random").shapes.items()}
+    return exported_drafter_variant(tmp_path / f"width{hidden}", edit_config=lambda c: c.update(hidden_size=hidden),
+                                    edit_tensors=lambda t, path: save_file(weights, path))
 
 
 def test_small_chunk_is_raised_for_the_verify_block(laguna, models):

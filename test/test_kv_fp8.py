@@ -15,7 +15,7 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from conftest import FIXTURES, ROOT, run
+from conftest import FIXTURES, ROOT, build_fp8_harness, run
 
 MODEL = os.path.join(ROOT, "models", "tiny.bin")
 DRAFT = os.path.join(ROOT, "models", "tiny-dflash.bin")
@@ -73,12 +73,7 @@ def bits(x):
 
 @pytest.fixture(scope="module")
 def harness(tmp_path_factory):
-    exe = str(tmp_path_factory.mktemp("fp8") / "fp8_harness")
-    cc = os.environ.get("CC", "cc")
-    cmd = [cc, "-O2", "-std=c11", "-Wall", "-Wextra", "-Werror", "-I", ROOT,
-           os.path.join(ROOT, "test", "fp8_harness.c"), "-o", exe, "-lm"]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    assert r.returncode == 0, f"build failed:\n{' '.join(cmd)}\n{r.stderr}"
+    exe = build_fp8_harness(tmp_path_factory.mktemp("fp8"))
 
     def call(inputs):
         """(the 256 codes decoded, per input (e4m3 code, e4m3 value bits, bf16-rounded bits))"""

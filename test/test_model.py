@@ -151,7 +151,7 @@ def test_rope_spellings_read_alike(tmp_path):
 
     def tables(name, **edit):
         cfg = {k: v for k, v in src.items() if k != "rope_parameters"}
-        cfg.update({k: v for k, v in edit.items() if v is not None})
+        cfg.update(edit)
         d = tmp_path / name
         d.mkdir()
         (d / "config.json").write_text(json.dumps(cfg))
@@ -220,39 +220,35 @@ def test_in_memory_layout_exports_identically(exported, tmp_path):
     [E, 2I, H], gate rows first, and down_proj [E, H, I]; the correction bias under mlp.gate; the shared expert as
     mlp.shared_experts) exports to the same file as save_pretrained's per-expert layout. With torch, transformers
     itself loads the fused checkpoint into the same weights."""
-    from safetensors.numpy import load_file, save_file
-    src = os.path.join(FIXTURES, "xs2_f32", "hf")
-    d = tmp_path / "fused"
-    d.mkdir()
-    for f in ("config.json", "generation_config.json"):
-        shutil.copy(os.path.join(src, f), d)
-    t = load_file(os.path.join(src, "model.safetensors"))
-    cfg = json.load(open(os.path.join(src, "config.json")))
-    for l, kind in enumerate(cfg["mlp_layer_types"]):
-        if kind != "sparse":
-            continue
-        p = f"model.layers.{l}.mlp."
-        E = cfg["num_experts"]
-        gate_up = [np.concatenate([t.pop(p + f"experts.{e}.gate_proj.weight"), t.pop(p + f"experts.{e}.up_proj.weight")])
-                   for e in range(E)]
-        t[p + "experts.gate_up_proj"] = np.stack(gate_up)
-        t[p + "experts.down_proj"] = np.stack([t.pop(p + f"experts.{e}.down_proj.weight") for e in range(E)])
-        t[p + "gate.e_score_correction_bias"] = t.pop(p + "experts.e_score_correction_bias")
-        for part in ("gate_proj", "up_proj", "down_proj"):
-            t[p + f"shared_experts.{part}.weight"] = t.pop(p + f"shared_expert.{part}.weight")
-    save_file(t, str(d / "model.safetensors"))
-    out = str(tmp_path / "fused.bin")
-    run([sys.executable, os.path.join(ROOT, "export.py"), "-q", str(d), out])
-    assert open(out, "rb").read() == open(exported("xs2_f32"), "rb").read()
+    d = copy_fixture(tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+
+    def fuse(t):
+        for l, kind in enumerate(cfg["mlp_layer_types"]):
+            if kind != "sparse":
+                continue
+            p, E = f"model.layers.{l}.mlp.", cfg["num_experts"]
+            t[p + "experts.gate_up_proj"] = np.stack([np.concatenate([t.pop(p + f"experts.{e}.gate_proj.weight"),
+                                                                      t.pop(p + f"experts.{e}.up_proj.weight")])
+                                                      for e in range(E)])
+            t[p + "experts.down_proj"] = np.stack([t.pop(p + f"experts.{e}.down_proj.weight") for e in range(E)])
+            t[p + "gate.e_score_correction_bias"] = t.pop(p + "experts.e_score_correction_bias")
+            for part in ("gate_proj", "up_proj", "down_proj"):
+                t[p + f"shared_experts.{part}.weight"] = t.pop(p + f"shared_expert.{part}.weight")
+    rewrite_tensors(d, fuse)
+    run(export_cmd(d, tmp_path) + ["-q"])
+    assert open(tmp_path / "out.bin", "rb").read() == open(exported("xs2_f32"), "rb").read()
     try:
         import torch
         from transformers import LagunaForCausalLM
     except ImportError:
         return
-    for name in [n for n in t if ".shared_experts." in n]:   # the plural is not transformers' name: undo it
-        t[name.replace(".shared_experts.", ".shared_expert.")] = t.pop(name)
-    save_file(t, str(d / "model.safetensors"))
-    want = LagunaForCausalLM.from_pretrained(src, dtype=torch.float32).state_dict()
+
+    def singular(t):        # the plural is not transformers' name: undo it
+        for name in [n for n in t if ".shared_experts." in n]:
+            t[name.replace(".shared_experts.", ".shared_expert.")] = t.pop(name)
+    rewrite_tensors(d, singular)
+    want = LagunaForCausalLM.from_pretrained(os.path.join(FIXTURES, "xs2_f32", "hf"), dtype=torch.float32).state_dict()
     got = LagunaForCausalLM.from_pretrained(str(d), dtype=torch.float32).state_dict()
     assert want.keys() == got.keys()
     for k in want:

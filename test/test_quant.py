@@ -1,11 +1,14 @@
 """Quantized files (export.py --dtype q8 / q4): quantize -> dequantize error bounds, the C q8/q4 kernels against
 the same weights dequantized to f32 in numpy, and the loader's refusal of inconsistent quantized tensors."""
+import os
 import struct
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
-from conftest import FIXTURES, run
+from conftest import FIXTURES, ROOT, build_fp8_harness, run
 
 import export
 
@@ -75,12 +78,7 @@ def test_fp16_scale_helpers_match_numpy(tmp_path):
     """laguna.h's fp16_value (how the CPU reads every q8 / q4 scale) decodes all 65,536 codes bit for bit as numpy's
     float16 does, subnormals and -0 included; fp16_bits (how --random-weights makes scales) rounds fp32 to fp16 as
     numpy does: ties to even, subnormals, overflow to inf, NaN stays NaN."""
-    import os
-    import subprocess
-    from conftest import ROOT
-    exe = str(tmp_path / "fp8_harness")
-    run([os.environ.get("CC", "cc"), "-O2", "-std=c11", "-Wall", "-Wextra", "-Werror", "-I", ROOT,
-         os.path.join(ROOT, "test", "fp8_harness.c"), "-o", exe, "-lm"])
+    exe = build_fp8_harness(tmp_path)
     f16 = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16)
     rng = np.random.default_rng(5)
     finite = f16[np.isfinite(f16)].astype(np.float32)
@@ -213,9 +211,6 @@ def test_reexporting_a_laguna_file_equals_exporting_its_checkpoint(exported, tmp
     """export.py FILE.bin OUT.bin --dtype D (how models/tiny.bin is quantized) writes what exporting the checkpoint at
     D writes, for a target and a drafter; bf16 -> f32 -> bf16 comes back bit for bit; a quantized or foreign source
     is refused."""
-    import os
-    import sys
-    from conftest import ROOT
     from test_model import expect_error
 
     def reexport(src, dtype, name):
