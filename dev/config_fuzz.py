@@ -128,6 +128,11 @@ def main():
     args = sys.argv[1:]
     gpu, ropes = "--gpu" in args, "--ropes" in args
     args = [a for a in args if a not in ("--gpu", "--ropes")]
+    if any(a in ("-h", "--help") for a in args):
+        print(__doc__.strip())
+        return 0
+    if len(args) > 2 or not all(a.isdigit() for a in args):
+        sys.exit("usage: python3 dev/config_fuzz.py [--gpu] [--ropes] [N] [seed]  (--help for more)")
     n = int(args[0]) if len(args) > 0 else 30
     seed = int(args[1]) if len(args) > 1 else 1
     rng = random.Random(seed)

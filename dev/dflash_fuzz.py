@@ -124,6 +124,11 @@ def score_ids(tname):
 def main():
     gpu = "--gpu" in sys.argv
     args = [a for a in sys.argv[1:] if a != "--gpu"]
+    if any(a in ("-h", "--help") for a in args):
+        print(__doc__.strip())
+        return
+    if len(args) > 2 or not all(a.isdigit() for a in args):
+        sys.exit("usage: python3 dev/dflash_fuzz.py [--gpu] [N] [seed]  (--help for more)")
     n = int(args[0]) if args else 40
     seed = int(args[1]) if len(args) > 1 else 1
     only = int(os.environ["FUZZ_ONLY"]) if os.environ.get("FUZZ_ONLY") else None   # rerun config i alone
