@@ -42,12 +42,16 @@ cuda-compile: laguna.cu $(SRC) $(HDR)
 test-gpu:
 	python3 -m pytest -q -s -rs test/test_gpu.py test/test_gpu_fidelity.py
 
-# the same tests in two halves, for a device call shorter than the whole suite (each prints its slowest tests)
-GPU_HALF2 = quant or dflash or mid_size or fidelity
+# the same tests in three parts, each short enough for one device call on an H100 (each prints its slowest tests):
+# 1 the kernel labs, 2 the rest of the single-model tests, 3 quantization, DFlash, the mid-size model and fidelity
+GPU_LABS = lab
+GPU_PART3 = quant or dflash or mid_size or fidelity
 test-gpu-1:
-	python3 -m pytest -q -s -rs --durations=15 test/test_gpu.py -k "not ($(GPU_HALF2))"
+	python3 -m pytest -q -s -rs --durations=15 test/test_gpu.py -k "$(GPU_LABS) and not ($(GPU_PART3))"
 test-gpu-2:
-	python3 -m pytest -q -s -rs --durations=15 test/test_gpu.py test/test_gpu_fidelity.py -k "$(GPU_HALF2)"
+	python3 -m pytest -q -s -rs --durations=15 test/test_gpu.py -k "not ($(GPU_LABS)) and not ($(GPU_PART3))"
+test-gpu-3:
+	python3 -m pytest -q -s -rs --durations=15 test/test_gpu.py test/test_gpu_fidelity.py -k "$(GPU_PART3)"
 
 dev/bench_gpu: dev/bench_gpu.c laguna-cu.o $(SRC) $(HDR)
 	$(CC) $(CFLAGS) -Wno-unused-function -DLAGUNA_CUDA -c dev/bench_gpu.c -o bench_gpu.o
@@ -110,7 +114,7 @@ bench: dev/bench_gpu dev/matvec_lab dev/bench_dflash
 	python3 export.py -q --synthetic XS-2.1-DFlash /dev/shm/xs21-dflash.bin
 	./dev/bench_dflash /dev/shm/xs21.bin /dev/shm/xs21-dflash.bin
 
-.PHONY: clean test cuda cuda-compile test-gpu test-gpu-1 test-gpu-2 bench
+.PHONY: clean test cuda cuda-compile test-gpu test-gpu-1 test-gpu-2 test-gpu-3 bench
 clean:
 	rm -f laguna laguna-debug laguna-cuda dev/bench_gpu dev/bench_gpu_trace dev/bench_dflash dev/matvec_lab dev/moe_gemm_lab dev/chain_lab dev/bulk_lab dev/few_lab dev/skinny_lab dev/sample_lab dev/expert_lab dev/latency_lab dev/access_lab *.o
 
