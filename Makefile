@@ -42,8 +42,9 @@ cuda-compile: laguna.cu $(SRC) $(HDR)
 test-gpu:
 	python3 -m pytest -q -s -rs test/test_gpu.py test/test_gpu_fidelity.py
 
-# the same tests in three parts, each short enough for one device call on an H100 (each prints its slowest tests):
-# 1 the kernel labs, 2 the rest of the single-model tests, 3 quantization, DFlash, the mid-size model and fidelity
+# the same tests in three parts, meant to fit one device call each (the old first half did not on an H100; each
+# prints its slowest tests): 1 the kernel labs (tests named *lab*), 2 the rest of the single-model tests,
+# 3 quantization, DFlash, the mid-size model and fidelity
 GPU_LABS = lab
 GPU_PART3 = quant or dflash or mid_size or fidelity
 test-gpu-1:
