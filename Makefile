@@ -42,17 +42,21 @@ cuda-compile: laguna.cu $(SRC) $(HDR)
 test-gpu:
 	python3 -m pytest -q -s -rs test/test_gpu.py test/test_gpu_fidelity.py
 
-# the same tests in three parts, meant to fit one device call each (the old first half did not on an H100; each
-# prints its slowest tests): 1 the kernel labs (tests named *lab*), 2 the rest of the single-model tests,
-# 3 quantization, DFlash, the mid-size model and fidelity
+# the same tests in four parts, meant to fit one device call each (the whole does not on an H100; each prints its
+# slowest tests): 1 the kernel labs (tests named *lab*), 2 the rest of the single-model tests, 3 DFlash and the
+# mid-size model, 4 quantization and fidelity
 GPU_LABS = lab
-GPU_PART3 = quant or dflash or mid_size or fidelity
+GPU_PART3 = dflash or mid_size
+GPU_PART4 = quant or fidelity
+GPU_PYTEST = python3 -m pytest -q -s -rs --durations=15
 test-gpu-1:
-	python3 -m pytest -q -s -rs --durations=15 test/test_gpu.py -k "$(GPU_LABS) and not ($(GPU_PART3))"
+	$(GPU_PYTEST) test/test_gpu.py -k "$(GPU_LABS) and not ($(GPU_PART3)) and not ($(GPU_PART4))"
 test-gpu-2:
-	python3 -m pytest -q -s -rs --durations=15 test/test_gpu.py -k "not ($(GPU_LABS)) and not ($(GPU_PART3))"
+	$(GPU_PYTEST) test/test_gpu.py -k "not ($(GPU_LABS)) and not ($(GPU_PART3)) and not ($(GPU_PART4))"
 test-gpu-3:
-	python3 -m pytest -q -s -rs --durations=15 test/test_gpu.py test/test_gpu_fidelity.py -k "$(GPU_PART3)"
+	$(GPU_PYTEST) test/test_gpu.py -k "$(GPU_PART3)"
+test-gpu-4:
+	$(GPU_PYTEST) test/test_gpu.py test/test_gpu_fidelity.py -k "($(GPU_PART4)) and not ($(GPU_PART3))"
 
 dev/bench_gpu: dev/bench_gpu.c laguna-cu.o $(SRC) $(HDR)
 	$(CC) $(CFLAGS) -Wno-unused-function -DLAGUNA_CUDA -c dev/bench_gpu.c -o bench_gpu.o
@@ -115,7 +119,7 @@ bench: dev/bench_gpu dev/matvec_lab dev/bench_dflash
 	python3 export.py -q --synthetic XS-2.1-DFlash /dev/shm/xs21-dflash.bin
 	./dev/bench_dflash /dev/shm/xs21.bin /dev/shm/xs21-dflash.bin
 
-.PHONY: clean test cuda cuda-compile test-gpu test-gpu-1 test-gpu-2 test-gpu-3 bench
+.PHONY: clean test cuda cuda-compile test-gpu test-gpu-1 test-gpu-2 test-gpu-3 test-gpu-4 bench
 clean:
 	rm -f laguna laguna-debug laguna-cuda dev/bench_gpu dev/bench_gpu_trace dev/bench_dflash dev/matvec_lab dev/moe_gemm_lab dev/chain_lab dev/bulk_lab dev/few_lab dev/skinny_lab dev/sample_lab dev/expert_lab dev/latency_lab dev/access_lab *.o
 
