@@ -20,6 +20,12 @@ laguna: $(SRC) $(HDR)
 laguna-debug: $(SRC) $(HDR)
 	$(CC) -O1 -g -std=c11 -Wall -Wextra -Wno-unknown-pragmas $(SRC) -o $@ $(LDLIBS)
 
+# the sanitizer build (AddressSanitizer + UndefinedBehaviorSanitizer, no OpenMP threads): test_sanitizers_clean runs
+# it in `make test`, dev/cli_fuzz.py random command lines against it (dev/gpu_notes.md, round 42)
+laguna-asan: $(SRC) $(HDR)
+	$(CC) -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -std=c11 \
+		-Wall -Wextra -Wno-unknown-pragmas $(SRC) -o $@ $(LDLIBS)
+
 test: laguna
 	python3 -m pytest -q test/
 
@@ -58,6 +64,12 @@ test-gpu-3:
 	$(GPU_PYTEST) test/test_gpu.py -k "$(GPU_PART3)"
 test-gpu-4:
 	$(GPU_PYTEST) test/test_gpu.py test/test_gpu_fidelity.py -k "($(GPU_PART4)) and not ($(GPU_PART3))"
+
+# the GPU build under compute-sanitizer (memcheck by default; TOOLS="memcheck racecheck synccheck initcheck"): the
+# tiny model and a 5-layer synthetic XS-2.1 through every decode, prefill, few-token, DFlash, sampler and
+# long-context path; LINEINFO=1 rebuilds laguna.cu with -lineinfo so reports name file:line (dev/device_sanitize.sh)
+sanitize-gpu:
+	bash dev/device_sanitize.sh
 
 dev/bench_gpu: dev/bench_gpu.c laguna-cu.o $(SRC) $(HDR)
 	$(CC) $(CFLAGS) -Wno-unused-function -DLAGUNA_CUDA -c dev/bench_gpu.c -o bench_gpu.o
@@ -120,9 +132,9 @@ bench: dev/bench_gpu dev/matvec_lab dev/bench_dflash
 	python3 export.py -q --synthetic XS-2.1-DFlash /dev/shm/xs21-dflash.bin
 	./dev/bench_dflash /dev/shm/xs21.bin /dev/shm/xs21-dflash.bin
 
-.PHONY: clean test cuda cuda-compile test-gpu test-gpu-1 test-gpu-2 test-gpu-3 test-gpu-4 bench
+.PHONY: clean test cuda cuda-compile test-gpu test-gpu-1 test-gpu-2 test-gpu-3 test-gpu-4 sanitize-gpu bench
 clean:
-	rm -f laguna laguna-debug laguna-cuda dev/bench_gpu dev/bench_gpu_trace dev/bench_dflash dev/matvec_lab dev/moe_gemm_lab dev/chain_lab dev/bulk_lab dev/few_lab dev/skinny_lab dev/sample_lab dev/expert_lab dev/latency_lab dev/access_lab *.o
+	rm -f laguna laguna-debug laguna-asan laguna-cuda dev/bench_gpu dev/bench_gpu_trace dev/bench_dflash dev/matvec_lab dev/moe_gemm_lab dev/chain_lab dev/bulk_lab dev/few_lab dev/skinny_lab dev/sample_lab dev/expert_lab dev/latency_lab dev/access_lab *.o
 
 # tokenizer speed: encode a file, tokens/s on one core (make bench_tokenizer && ./bench_tokenizer MODEL.bin FILE)
 bench_tokenizer: dev/bench_tokenizer.c tokenizer.c tokenizer.h tokenizer_unicode.h

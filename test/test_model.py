@@ -496,6 +496,44 @@ def test_valgrind_clean(exported, tmp_path):
         assert r.returncode == 0, (cmd, r.stderr[-3000:])
 
 
+def test_sanitizers_clean(exported, tmp_path):
+    """The AddressSanitizer + UndefinedBehaviorSanitizer build (`make laguna-asan`) on what users run -- sampling,
+    --score, text through the chat template, chat on stdin, DFlash, q8 / q4 files, the shipped tiny pair -- and on
+    bad input it must refuse (a truncated file, an id out of range, a prompt longer than the context, a drafter of
+    another target): no sanitizer report, no leak, and the exit status each case should have."""
+    r = run(["make", "-C", ROOT, "laguna-asan"], check=False)
+    if r.returncode != 0:
+        pytest.skip("this compiler cannot build with -fsanitize=address,undefined:\n" + r.stderr[-500:])
+    exe = os.path.join(ROOT, "laguna-asan")
+    prompt = open(fixture_file("variant", "prompt.txt")).read().strip()
+    cut = tmp_path / "cut.bin"
+    cut.write_bytes(open(exported("xs2_f32"), "rb").read()[:5000])
+    tiny, tiny_draft = os.path.join(ROOT, "models", "tiny.bin"), os.path.join(ROOT, "models", "tiny-dflash.bin")
+    ok = [[exported("variant"), "--ids", prompt, "-n", "6", "-t", "0.8", "-s", "1", "-c", "64"],
+          [exported("xs2_f32"), "--score", fixture_file("xs2_f32", "score.txt"), "--logits", str(tmp_path / "l.bin"),
+           "--chunk", "5", "-c", "128"],
+          [exported("xs21_bf16"), "def f(x):", "-n", "5", "-t", "0", "-c", "256", "--kv", "fp8"],
+          [exported("xs21_bf16"), "-m", "chat", "-n", "4", "-t", "0", "-c", "256"],
+          [exported("v16"), "-d", exported("draft_v16"), "--ids", "3 4 5 6 7", "-n", "12", "-t", "0.9", "-s", "2",
+           "--compare", "-c", "64"],
+          [exported("variant", "--dtype", "q4"), "--ids", prompt, "-n", "4", "-t", "0", "-c", "64"],
+          [exported("xs2_f32", "--dtype", "q8"), "--ids", prompt, "-n", "4", "-t", "0", "-c", "64"]]
+    if os.path.exists(tiny) and os.path.exists(tiny_draft):
+        ok.append([tiny, "-d", tiny_draft, "def fib(n):", "-n", "24", "-t", "0", "-c", "256"])
+    bad = [([str(cut), "--ids", "1 2", "-n", "1"], "is truncated"),
+           ([exported("xs2_f32"), "--ids", "1 99999", "-n", "1"], "out of range"),
+           ([exported("xs2_f32"), "--ids", " ".join(["5"] * 40), "-c", "16", "-n", "1"], "exceeds the context size"),
+           ([exported("xs2_f32"), "-d", exported("draft_v16"), "--ids", "3 4 5", "-n", "2"], "does not match")]
+    env = dict(os.environ, ASAN_OPTIONS="detect_leaks=1", UBSAN_OPTIONS="print_stacktrace=1")
+    for args, refusal in [(a, None) for a in ok] + bad:
+        r = run([exe] + args, check=False, input="def g():\nand again\n", env=env)
+        assert "Sanitizer" not in r.stderr and "runtime error:" not in r.stderr, (args, r.stderr[-3000:])
+        if refusal is None:
+            assert r.returncode == 0, (args, r.stderr[-2000:])
+        else:
+            assert 0 < r.returncode < 128 and refusal in r.stderr, (args, r.returncode, r.stderr[-2000:])
+
+
 def test_random_weights_hook_is_deterministic(laguna, exported, tmp_path):
     """--random-weights SEED (benchmarks, GPU tests): same seed, same logits; another seed, other logits."""
     def logits(seed):
