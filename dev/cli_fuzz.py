@@ -14,6 +14,7 @@ rerun the printed command with ./laguna to tell).
 """
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -46,13 +47,15 @@ def main():
     nums = ["0", "1", "2", "-1", "-5", "3", "7", "15", "16", "17", "64", "255", "256", "257", "100000",
             "99999999999", "2147483648", "-2147483649", "1e3", "0.5", "abc", "", "nan", "inf", "-0", "0x10", " 4", "4 "]
     floats = ["0", "0.6", "1", "1.5", "-1", "nan", "inf", "-inf", "1e-30", "1e30", "x", "", "0.0000001", "2"]
-    prompts = ["def f(", "", "x" * 3000, "h\u00e9llo w\u00f6rld \U0001f642", "<|im_start|>", "\x01\x02", "12 34", "2 5 7",
-               "  ", "\n\n"]
+    prompts = ["def f(", "", "x" * 3000, "h\u00e9llo w\u00f6rld \U0001f642", "<|im_start|>", "\x01\x02", "12 34",
+               "2 5 7", "  ", "\n\n"]
     flags = {"-n": nums, "-t": floats, "-p": floats, "-s": nums, "-c": nums, "-i": files, "-y": prompts,
              "-m": ["generate", "chat", "x", ""], "--think": None, "--raw": None, "--ids": None, "--cpu": None,
              "--chunk": nums, "--kv": ["bf16", "f32", "fp8", "q4", ""], "--tokenize": prompts, "--score": files,
              "--logits": [os.path.join(tmp, "out.bin"), "/nonexistent/x", tmp], "-d": files, "--draft-max": nums,
-             "--compare": None, "-q": None, "--samples": nums, "--taps": [os.path.join(tmp, "t.bin"), tmp],
+             "--compare": None, "-q": None,
+             "--samples": ["0", "1", "3", "-1", "abc", "", "1e3", "2147483648", "99999999999"],   # N whole runs
+             "--taps": [os.path.join(tmp, "t.bin"), tmp],
              "--draft-logits": [os.path.join(tmp, "dl.bin")], "--random-weights": nums, "-h": None, "--bogus": None,
              "-": None}
     env = dict(os.environ, ASAN_OPTIONS="detect_leaks=1", UBSAN_OPTIONS="print_stacktrace=1")
@@ -90,6 +93,7 @@ def main():
             print(kind, " ".join(repr(a) if not a or " " in a or "\n" in a else a for a in args[1:])[:400])
             if err:
                 print("   ", err[-1500:].replace("\n", "\n    "))
+    shutil.rmtree(tmp, ignore_errors=True)
     print(f"seed {seed}: {n} command lines, " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
     sys.exit(1 if set(counts) - {"ran", "refused"} else 0)
 
