@@ -26,7 +26,7 @@ MODELS = os.path.join(ROOT, "models")
 def main():
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 200
     seed = int(sys.argv[2]) if len(sys.argv) > 2 else 1
-    exe = sys.argv[3] if len(sys.argv) > 3 else os.path.join(ROOT, "laguna-asan")
+    exe = os.path.abspath(sys.argv[3] if len(sys.argv) > 3 else os.path.join(ROOT, "laguna-asan"))
     if not os.path.exists(exe):
         sys.exit(f"{exe} not found: build it with `make laguna-asan` (or pass a binary)")
     rng = random.Random(seed)
@@ -76,7 +76,8 @@ def main():
         stdin = "\n".join(rng.choice(prompts) for _ in range(rng.randint(0, 3))).encode()
         err = ""
         try:
-            p = subprocess.run(args, input=stdin, capture_output=True, timeout=60, env=env)
+            # in tmp: a draw such as `--logits -h` writes a file named "-h" where it runs
+            p = subprocess.run(args, input=stdin, capture_output=True, timeout=60, env=env, cwd=tmp)
             err = p.stderr.decode(errors="replace")
             if "Sanitizer" in err or "runtime error:" in err:
                 kind = "SANITIZER"
