@@ -1847,6 +1847,8 @@ attention_decode_fused(const float *qkvg, int g, int nh, int nkv, KV *kc, KV *vc
             float mo = hm[j], mn = fmaxf(mo, mx), corr = exp2f(mo - mn), sum = 0.0f;
             for (int k = lane; k < KT; k += 32) { float p = exp2f(sm.sc[j][k] - mn); pt[k][j] = p; sum += p; }
             sum = warp_sum(sum);
+            __syncwarp();                               /* every lane has read hm[j]: lane 0 may rewrite it (a shuffle
+                                                         * orders no memory; compute-sanitizer's racecheck) */
             if (lane == 0) { hl[j] = hl[j] * corr + sum; hm[j] = mn; hc[j] = corr; }
         }
         __syncthreads();
