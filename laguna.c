@@ -1339,11 +1339,10 @@ static void dflash_report(const DFlash *df, double tok_s) {
 
 static void randomize_weights(Model *m, uint64_t seed);
 
-/* Load the drafter, check that it fits the target, and put it beside the target (on the GPU when gpu is set). */
-static void dflash_init(DFlash *df, Model *d, const char *path, Model *target, GpuModel *gpu, int draft_max, int ctx) {
+/* Check that the drafter (loaded by main) fits the target; put it beside the target (on the GPU when gpu is set). */
+static void dflash_init(DFlash *df, Model *d, Model *target, GpuModel *gpu, int draft_max, int ctx) {
     char err[1024];
     memset(df, 0, sizeof *df);
-    if (load_model(d, path, KIND_DRAFTER, err, sizeof err)) die("%s", err);
     Config *dc = &d->config, *tc = &target->config;
     if (dc->vocab_size != tc->vocab_size)
         die("the drafter's vocabulary (%d) does not match the target's (%d)\n  hint: use the drafter trained for this "
@@ -1691,9 +1690,18 @@ int main(int argc, char **argv) {
         return 0;
     }
 
+    if (o.draft_path && load_model(&draft, o.draft_path, KIND_DRAFTER, err, sizeof err)) die("%s", err);
     char info[256] = "";
-    /* the backend first: it sets the default chunk */
+    /* the backend first: it sets the default chunk. The GPU when there is one and its kernels take the model and
+     * the drafter (gpu_supports: head_dim, sizes, weight formats); else the CPU, with a note saying why. */
     int use_gpu = !o.cpu && gpu_available(info, sizeof info);
+    for (int i = 0; i < 2 && use_gpu; i++) {
+        const Model *who = i == 0 ? &model : o.draft_path ? &draft : NULL;
+        if (who && !gpu_supports(who, err, sizeof err)) {
+            fprintf(stderr, "note: %s%s: running on the CPU\n", i ? "the drafter: " : "", err);
+            use_gpu = 0;
+        }
+    }
     int max_tokens = o.chunk ? o.chunk : use_gpu ? 2048 : 64;   /* GPU: big prefill chunks */
     if (o.draft_path && max_tokens < 64) {                   /* a verify block must fit in one forward */
         if (!o.quiet) fprintf(stderr, "note: --chunk %d raised to 64 with a drafter (a verify block is one forward)\n",
@@ -1715,7 +1723,7 @@ int main(int argc, char **argv) {
     alloc_state(&model, ctx, max_tokens);   /* the CPU state also sizes the chunking for the GPU */
     DFlash dfs, *df = NULL;
     if (o.draft_path) {
-        dflash_init(&dfs, &draft, o.draft_path, &model, eng.gpu, o.draft_max, ctx);
+        dflash_init(&dfs, &draft, &model, eng.gpu, o.draft_max, ctx);
         df = &dfs;
         if (df->gpu && !o.quiet) fprintf(stderr, "gpu drafter: %s\n", gpu_summary(df->gpu));
     }
@@ -1885,6 +1893,11 @@ static int chat_loop(Engine *e, Sampler *sp, Printer *pr, const Options *o) {
  * a CPU-only build: no GPU backend */
 #ifndef LAGUNA_CUDA
 int gpu_available(char *info, size_t infosz) { if (infosz) info[0] = 0; return 0; }
+int gpu_supports(const Model *m, char *why, size_t whysz) {
+    (void)m;
+    snprintf(why, whysz, "this laguna was built without CUDA");
+    return 0;
+}
 GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err, size_t errsz) {
     (void)m; (void)ctx; (void)max_tokens;
     snprintf(err, errsz, "this laguna was built without CUDA\n  hint: build with `make cuda`");

@@ -4127,6 +4127,40 @@ static int fused_decode_attention(const GpuModel *g, int l, int n);
 static int full_cluster(const GpuModel *g, int l);
 static void capture_taps(GpuModel *g, int l, int n);
 
+/* Does the GPU backend take this model? The shapes and weight formats its kernels are written for; anything else
+ * runs on the CPU (main() says so and falls back; gpu_init refuses it). why: what it lacks, one line. */
+#define NOT_TAKEN(...) do { snprintf(why, whysz, __VA_ARGS__); return 0; } while (0)
+extern "C" int gpu_supports(const Model *m, char *why, size_t whysz) {
+    const Config *c = &m->config;
+    const Weights *mw = &m->weights;
+    const int D = c->head_dim, H = c->dim, E = c->n_experts, K = c->n_experts_active;
+    if (D != 16 && D != 32 && D != 64 && D != 128)
+        NOT_TAKEN("head_dim %d is not supported by the GPU backend (16, 32, 64 or 128)", D);
+    /* formats: the matmul weights all quantized alike (q8 or q4) or none of them; the embedding (and with it a tied
+     * lm_head) and lm_head may be quantized on their own (export.py: the embedding is q8 in q4 files too); the
+     * router never is */
+    const int wdt = mw->layers[0].wq.dtype;
+    for (int l = 0; l < c->n_layers; l++) {
+        const LayerWeights *lw = &mw->layers[l];
+        const Tensor *ts[] = {&lw->wq, &lw->wk, &lw->wv, &lw->wg, &lw->wo, &lw->w_gate, &lw->w_up, &lw->w_down,
+                              &lw->shared_gate, &lw->shared_up, &lw->shared_down, &lw->experts_gate_up, &lw->experts_down};
+        for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++)
+            if (ts[i]->data && (is_quant(wdt) ? ts[i]->dtype != wdt : is_quant(ts[i]->dtype)))
+                NOT_TAKEN("layer %d: the GPU backend needs every matmul weight in one format (q8, q4, or unquantized;"
+                          " re-export with one --dtype)", l);
+        if (lw->router.data && is_quant(lw->router.dtype))
+            NOT_TAKEN("layer %d: a quantized router is not supported by the GPU backend", l);
+        if ((c->n_heads[l] * D) % 8) NOT_TAKEN("layer %d: projection sizes not multiples of 8", l);
+    }
+    if (H % 8 || (E && (c->moe_hidden_dim % 8 || c->shared_hidden_dim % 8)) || c->hidden_dim % 8)
+        NOT_TAKEN("the GPU backend needs hidden sizes that are multiples of 8");
+    if (H > 16384 || c->max_heads * D > 16384)
+        NOT_TAKEN("the GPU backend's decode matvec takes inputs of at most 16384");
+    if (E > 1024 || K > 32) NOT_TAKEN("the GPU backend handles at most 1024 experts and top-32");
+    return 1;
+}
+#undef NOT_TAKEN
+
 #define GFAIL(...) do { snprintf(err, errsz, __VA_ARGS__); gpu_free(g); return NULL; } while (0)
 
 extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err, size_t errsz) {
@@ -4160,9 +4194,7 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
     g->split_max = getenv("LAGUNA_SPLIT_MAX") ? atoi(getenv("LAGUNA_SPLIT_MAX")) : 0;      /* a tuning hook */
     g->block_graphs = !getenv("LAGUNA_NO_BLOCK_GRAPH");
     int D = c->head_dim, H = c->dim, KVD = c->kv_dim, T = max_tokens, E = c->n_experts, K = c->n_experts_active;
-    /* formats: the matmul weights all quantized alike (q8 or q4) or none of them; the embedding (and with it a tied
-     * lm_head) and lm_head may be quantized on their own (export.py: the embedding is q8 in q4 files too); the
-     * router never is */
+    /* formats (gpu_supports has checked them): one for the matmul weights, the embedding's and lm_head's own */
     int plain_dt = g->bf ? DT_BF16 : DT_F32;
     g->wdt = is_quant(mw->layers[0].wq.dtype) ? mw->layers[0].wq.dtype : plain_dt;
     /* from where full layers' one-token attention takes the flash kernel (long_capable): 3584 for bf16 files, 2560
@@ -4172,24 +4204,12 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
     g->long_from = getenv("LAGUNA_LONG_FROM") ? atoi(getenv("LAGUNA_LONG_FROM")) : long_default;
     g->edt = is_quant(mw->embed.dtype) ? mw->embed.dtype : plain_dt;
     g->ldt = c->tied_embeddings ? g->edt : is_quant(mw->lm_head.dtype) ? mw->lm_head.dtype : plain_dt;
-    for (int l = 0; l < c->n_layers; l++) {
-        const LayerWeights *lw = &mw->layers[l];
-        const Tensor *ts[] = {&lw->wq, &lw->wk, &lw->wv, &lw->wg, &lw->wo, &lw->w_gate, &lw->w_up, &lw->w_down,
-                              &lw->shared_gate, &lw->shared_up, &lw->shared_down, &lw->experts_gate_up, &lw->experts_down};
-        for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++)
-            if (ts[i]->data && (is_quant(g->wdt) ? ts[i]->dtype != g->wdt : is_quant(ts[i]->dtype)))
-                GFAIL("layer %d: the GPU backend needs every matmul weight in one format (q8, q4, or unquantized)\n"
-                      "  hint: use --cpu, or re-export with one --dtype", l);
-        if (lw->router.data && is_quant(lw->router.dtype))
-            GFAIL("layer %d: a quantized router is not supported on the GPU\n  hint: use --cpu", l);
+    if (!gpu_supports(m, err, errsz)) {
+        size_t used = strlen(err);
+        snprintf(err + used, errsz - used, "\n  hint: use --cpu");
+        gpu_free(g);
+        return NULL;
     }
-    if (D != 16 && D != 32 && D != 64 && D != 128)
-        GFAIL("head_dim %d is not supported by the GPU backend (16, 32, 64 or 128)\n  hint: use --cpu", D);
-    if (H % 8 || (E && (c->moe_hidden_dim % 8 || c->shared_hidden_dim % 8)) || c->hidden_dim % 8)
-        GFAIL("the GPU backend needs hidden sizes that are multiples of 8\n  hint: use --cpu");
-    if (H > 16384 || c->max_heads * D > 16384)
-        GFAIL("the GPU backend's decode matvec takes inputs of at most 16384\n  hint: use --cpu");
-    if (E > 1024 || K > 32) GFAIL("the GPU backend handles at most 1024 experts and top-32\n  hint: use --cpu");
     for (int l = 0; l < c->n_layers; l++) {
         GpuLayer *L = &g->L[l];
         L->nh = c->n_heads[l];
@@ -4197,7 +4217,6 @@ extern "C" GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err
         L->NQ = L->nh * D + 2 * KVD + L->GD;
         L->dense = c->mlp_type[l] == MLP_DENSE;
         L->hid = L->dense ? c->hidden_dim : c->shared_hidden_dim;
-        if ((L->nh * D) % 8) GFAIL("layer %d: projection sizes not multiples of 8\n  hint: use --cpu", l);
         int64_t r = c->layer_type[l] == ATTN_FULL ? ctx : (int64_t)c->sliding_window + max_tokens - 1;
         L->rows = (int)(r < ctx ? r : ctx);
     }

@@ -204,6 +204,8 @@ uint64_t tensor_bytes(int dtype, int ndim, const int64_t *shape);
 /* laguna.cu (GPU backend); a CPU-only build provides stubs that report no GPU */
 typedef struct GpuModel GpuModel;
 int gpu_available(char *info, size_t infosz);
+/* does the GPU backend take this model (its head_dim, sizes, weight formats)? 0: why says what it lacks */
+int gpu_supports(const Model *m, char *why, size_t whysz);
 GpuModel *gpu_init(const Model *m, int ctx, int max_tokens, char *err, size_t errsz);
 /* forward over n tokens at positions pos..pos+n-1; returns host logits [n or 1, V] */
 float *gpu_forward(GpuModel *g, const int *tokens, int n, int pos, int all_logits);

@@ -13,11 +13,12 @@ itself drifts that far -- no farther from transformers' fp64 logits than twice t
     python3 dev/config_fuzz.py --ropes [N] [seed]  (every fixed-table RoPE kind: llama3, dynamic and proportional
                                                     too, and odd rotary dims; with or without --gpu)
 
-With --gpu, head_dim is drawn from what the GPU backend takes (16, 32, 64; now and then 8, which it must refuse with a
-message, counted apart) and every config also runs on the GPU with an f32 KV cache, one pass (the n-token kernels)
-and token by token (--chunk 1: the one-token decode kernels, router and fused attention included): an f32 checkpoint
-is held to the same rule against transformers; a bf16 one token by token to 1e-4 from the CPU (the same bf16 weights,
-fp32 math; its n-token forward rounds the GEMM inputs to bf16, so it has no such bar).
+With --gpu, head_dim is drawn from what the GPU backend takes (16, 32, 64; now and then 8, which it does not: ./laguna
+must say so and run that config on the CPU, counted apart) and every config also runs on the GPU with an f32 KV
+cache, one pass (the n-token kernels) and token by token (--chunk 1: the one-token decode kernels, router and fused
+attention included): an f32 checkpoint is held to the same rule against transformers; a bf16 one token by token to
+1e-4 from the CPU (the same bf16 weights, fp32 math; its n-token forward rounds the GEMM inputs to bf16, so it has no
+such bar).
 
 Configurations transformers itself refuses are skipped and counted. Exit status 1 if any config differs by more
 than 1e-4 or fails to export / run.
@@ -104,15 +105,17 @@ def rope_summary(p):
 
 
 def gpu_checks(laguna, binf, idf, d, T, dtype, want, want64, drift, cpu):
-    """The GPU's logits (f32 KV cache) one pass and token by token: (label, max diff, ok) each, or a refusal's text"""
-    out = []
+    """The GPU's logits (f32 KV cache) one pass and token by token: (label, max diff, ok) each, or a failure's text;
+    and whether laguna said it runs the model on the CPU instead (a head_dim the GPU kernels lack)"""
+    out, fell_back = [], False
     modes = (("one pass", []), ("token by token", ["--chunk", "1"]))
     for label, extra in modes if dtype == "f32" else modes[1:]:   # (bf16 files' n-token GEMMs round x to bf16)
         lg = os.path.join(d, "gpu.bin")
         r = subprocess.run([laguna, binf, "--kv", "f32", "--score", idf, "--logits", lg, "-q", *extra],
                            capture_output=True, text=True)
         if r.returncode:
-            return r.stderr.strip()
+            return r.stderr.strip(), False
+        fell_back = fell_back or "running on the CPU" in r.stderr
         got = np.fromfile(lg, dtype=np.float32).reshape(T, -1)
         if dtype == "f32":                             # fp32 end to end: the CPU's rule against transformers
             diff = float(np.abs(got - want).max())
@@ -121,7 +124,7 @@ def gpu_checks(laguna, binf, idf, d, T, dtype, want, want64, drift, cpu):
             diff = float(np.abs(got - cpu).max())
             ok = diff <= 1e-4
         out.append((label, diff, ok))
-    return out
+    return out, fell_back
 
 
 def main():
@@ -138,7 +141,7 @@ def main():
     rng = random.Random(seed)
     rope_rng = random.Random(seed * 7919 + 1) if ropes else None
     laguna = os.path.join(ROOT, "laguna")
-    worst, bad, refused, gpu_refused, gpu_worst = 0.0, 0, 0, 0, 0.0
+    worst, bad, refused, gpu_fell_back, gpu_worst = 0.0, 0, 0, 0, 0.0
     for i in range(n):
         cd = random_config(rng, gpu)
         if rope_rng:
@@ -196,15 +199,21 @@ def main():
             line = (f"config {i}: max |laguna - transformers| {diff:.2e} (vs fp64 {d64:.2e}; transformers fp32 vs "
                     f"fp64 {drift:.2e}) {'ok' if ok else 'DIFFERS'}")
             if gpu:
-                res = gpu_checks(laguna, binf, idf, d, T, dtype, want, want64, drift, got)
-                if isinstance(res, str):               # refused: only head_dim 8 may be, with a message and a hint
-                    known = cfg.head_dim not in (16, 32, 64, 128) and "head_dim" in res and "hint" in res
-                    gpu_refused += known
-                    ok = ok and known
-                    line += f"; GPU refuses it{'' if known else ' (UNEXPECTED)'}: {res.splitlines()[0][:70]}"
+                res, fell_back = gpu_checks(laguna, binf, idf, d, T, dtype, want, want64, drift, got)
+                lacks = cfg.head_dim not in (16, 32, 64, 128)   # then (only then) the run says it is on the CPU
+                if isinstance(res, str):
+                    ok = False
+                    line += f"; GPU run FAILS: {res.splitlines()[0][:70]}"
                 else:
+                    if fell_back != lacks:
+                        ok = False
+                        line += "; UNEXPECTED: " + ("ran on the CPU" if fell_back else
+                                                    "no note that it runs on the CPU")
+                    elif lacks:
+                        gpu_fell_back += 1
+                        line += "; on the CPU (head_dim)"
                     for label, gd, gok in res:
-                        gpu_worst = max(gpu_worst, gd)
+                        gpu_worst = gpu_worst if fell_back else max(gpu_worst, gd)
                         ok = ok and gok
                         line += f"; GPU {label} {gd:.2e}{'' if gok else ' DIFFERS'}"
             bad += not ok
@@ -212,8 +221,8 @@ def main():
     print(f"\n{n} configs: {n - refused - bad} match (worst |laguna - transformers fp32| {worst:.2e}), {bad} differ "
           f"or fail, {refused} refused by transformers")
     if gpu:
-        print(f"GPU: worst {gpu_worst:.2e} (f32 files from transformers, bf16 files from the CPU), {gpu_refused} "
-              f"configs refused as expected (head_dim)")
+        print(f"GPU: worst {gpu_worst:.2e} (f32 files from transformers, bf16 files from the CPU), {gpu_fell_back} "
+              f"configs run on the CPU as expected (head_dim)")
     return 1 if bad else 0
 
 
