@@ -1658,6 +1658,15 @@ static void dump_draft_logits(Engine *e, DFlash *df, const int *ids, int n, cons
 }
 
 #ifndef TESTING
+/* Do the GPU kernels take this model (gpu_supports: head_dim, sizes, weight formats)? If not, say why: it runs on
+ * the CPU (printed even with -q: a user with a GPU should know). */
+static int gpu_takes(const Model *m, const char *who) {
+    char why[512];
+    if (gpu_supports(m, why, sizeof why)) return 1;
+    fprintf(stderr, "note: %s%s: running on the CPU\n", who, why);
+    return 0;
+}
+
 int main(int argc, char **argv) {
     Options o;
     parse_args(argc, argv, &o);
@@ -1694,14 +1703,8 @@ int main(int argc, char **argv) {
     char info[256] = "";
     /* the backend first: it sets the default chunk. The GPU when there is one and its kernels take the model and
      * the drafter (gpu_supports: head_dim, sizes, weight formats); else the CPU, with a note saying why. */
-    int use_gpu = !o.cpu && gpu_available(info, sizeof info);
-    for (int i = 0; i < 2 && use_gpu; i++) {
-        const Model *who = i == 0 ? &model : o.draft_path ? &draft : NULL;
-        if (who && !gpu_supports(who, err, sizeof err)) {
-            fprintf(stderr, "note: %s%s: running on the CPU\n", i ? "the drafter: " : "", err);
-            use_gpu = 0;
-        }
-    }
+    int use_gpu = !o.cpu && gpu_available(info, sizeof info) && gpu_takes(&model, "")
+                  && (!o.draft_path || gpu_takes(&draft, "the drafter: "));
     int max_tokens = o.chunk ? o.chunk : use_gpu ? 2048 : 64;   /* GPU: big prefill chunks */
     if (o.draft_path && max_tokens < 64) {                   /* a verify block must fit in one forward */
         if (!o.quiet) fprintf(stderr, "note: --chunk %d raised to 64 with a drafter (a verify block is one forward)\n",
