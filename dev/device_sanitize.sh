@@ -40,13 +40,16 @@ fi
 make -j16 cuda >> "$OUT/build.log" 2>&1 || { tail -20 "$OUT/build.log" >> "$S"; exit 1; }
 echo "build $(( $(date +%s) - t0 )) s" >> "$S"
 
-# the synthetic XS-2.1 files: 5 layers (layer 0 full attention + the dense MLP, 1-3 sliding + MoE, 4 full + MoE);
-# sparse, filled on the GPU by --random-weights
-for dt in bf16 q8 q4; do
-    [ -z "$CASES" ] || [[ $CASES == *xs* ]] || break   # only the tiny cases run
-    [ -f /dev/shm/san-$dt.bin ] || python3 export.py -q --synthetic XS-2.1 --layers 5 --dtype $dt /dev/shm/san-$dt.bin \
-        >> "$OUT/export.log" 2>&1 || { echo "export $dt failed" >> "$S"; tail -5 "$OUT/export.log" >> "$S"; exit 1; }
-done
+# the synthetic XS-2.1 files, exported before the first xs_* case: 5 layers (layer 0 full attention + the dense MLP,
+# 1-3 sliding + MoE, 4 full + MoE); sparse, filled on the GPU by --random-weights
+export_xs() {
+    local dt
+    for dt in bf16 q8 q4; do
+        [ -f /dev/shm/san-$dt.bin ] || python3 export.py -q --synthetic XS-2.1 --layers 5 --dtype $dt \
+            /dev/shm/san-$dt.bin >> "$OUT/export.log" 2>&1 \
+            || { echo "export $dt failed" >> "$S"; tail -5 "$OUT/export.log" >> "$S"; exit 1; }
+    done
+}
 ids() {                                           # N ids in 3 .. MAX-1 from seed S: ids N S MAX
     python3 -c "import random; r = random.Random($2); print(' '.join(str(r.randrange(3, $3)) for _ in range($1)))"
 }
@@ -89,6 +92,7 @@ for tool in $TOOLS; do
     for entry in "${CASE_LIST[@]}"; do
         name=${entry%%|*}; cmd=${entry#*|}
         selected "$name" || continue
+        [[ $name == xs_* ]] && export_xs
         log="$OUT/san_${tool}_$name.log"
         t1=$(date +%s)
         # the last argument of the tiny cases is the prompt: split at " def" so it stays one word
