@@ -1701,8 +1701,8 @@ int main(int argc, char **argv) {
 
     if (o.draft_path && load_model(&draft, o.draft_path, KIND_DRAFTER, err, sizeof err)) die("%s", err);
     char info[256] = "";
-    /* the backend first: it sets the default chunk. The GPU when there is one and its kernels take the model and
-     * the drafter (gpu_supports: head_dim, sizes, weight formats); else the CPU, with a note saying why. */
+    /* the backend first: it sets the default chunk. The GPU when there is one and it takes the model and the
+     * drafter; else the CPU (gpu_takes notes why). */
     int use_gpu = !o.cpu && gpu_available(info, sizeof info) && gpu_takes(&model, "")
                   && (!o.draft_path || gpu_takes(&draft, "the drafter: "));
     int max_tokens = o.chunk ? o.chunk : use_gpu ? 2048 : 64;   /* GPU: big prefill chunks */
