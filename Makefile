@@ -134,9 +134,9 @@ bench: dev/bench_gpu dev/matvec_lab dev/bench_dflash
 
 .PHONY: clean test cuda cuda-compile test-gpu test-gpu-1 test-gpu-2 test-gpu-3 test-gpu-4 sanitize-gpu bench
 clean:
-	rm -f laguna laguna-debug laguna-asan laguna-cuda dev/bench_gpu dev/bench_gpu_trace dev/bench_dflash dev/matvec_lab dev/moe_gemm_lab dev/chain_lab dev/bulk_lab dev/few_lab dev/skinny_lab dev/sample_lab dev/expert_lab dev/latency_lab dev/access_lab *.o
+	rm -f laguna laguna-debug laguna-asan laguna-cuda dev/bench_gpu dev/bench_gpu_trace dev/bench_dflash dev/matvec_lab dev/moe_gemm_lab dev/chain_lab dev/bulk_lab dev/few_lab dev/skinny_lab dev/sample_lab dev/expert_lab dev/latency_lab dev/access_lab bench_tokenizer *.o
 
-# tokenizer speed: encode a file, tokens/s on one core (make bench_tokenizer && ./bench_tokenizer MODEL.bin FILE)
+# tokenizer speed: encode a file, tokens/s on one core (./bench_tokenizer BLOB FILE; dev/bench_tokenizer.c: the blob)
 bench_tokenizer: dev/bench_tokenizer.c tokenizer.c tokenizer.h tokenizer_unicode.h
 	$(CC) -O2 -std=c11 -Wall -Wextra -I. dev/bench_tokenizer.c tokenizer.c -o $@
 
