@@ -1467,21 +1467,24 @@ def main(argv=None):
 
 
 # ==== tokenizer: begin (owned by the tokenizer work; returns the "tokenizer" blob) ====
-# The "tokenizer" tensor (uint8) holds everything tokenizer.c needs. Blob format, version 1, little-endian,
+# The "tokenizer" tensor (uint8) holds everything tokenizer.c needs. Blob format, version 2, little-endian,
 # strings are UTF-8 bytes without a terminating NUL (tokenizer.c parses the same layout in tokenizer_init):
-#   char magic[4] = "LGTK";  u32 version = 1
+#   char magic[4] = "LGTK";  u32 version = 2
 #   u32 n_vocab            ids are 0..n_vocab-1
 #   u32 n_merges           merges in rank order (rank = index, lowest merges first)
 #   u32 n_added            added tokens (matched literally in the input before pre-tokenization)
 #   u32 n_chat             chat-format key/value entries (0: the checkpoint has no chat template)
+#   u32 n_whole            BPE ignore_merges: vocabulary ids a whole piece becomes directly (0: merges only)
 #   i32 bos_id, eos_id     from tokenizer_config.json (-1 if absent)
 #   i32 byte_id[256]       id of the single-byte token for each byte value (GPT-2 byte->unicode map applied)
 #   n_vocab x { u32 len; u8 bytes[len] }   what decoding the id emits (HF ByteLevel decoder semantics);
 #                                          len = 0xFFFFFFFF: no token has this id (decoding skips it)
 #   n_merges x { u32 left, right, merged }
-#   n_added x { u32 id; u32 flags (1 = special, 2 = normalized); u32 len; u8 content[len] }
+#   n_added x { u32 id; u32 flags (1 special, 2 normalized, 4 lstrip, 8 rstrip); u32 len; u8 content[len] }
 #   n_chat x { u32 klen; u8 key[klen]; u32 vlen; u8 value[vlen] }      see _tok_chat_data for the keys
-_TOK_MAGIC, _TOK_VERSION = b"LGTK", 1
+#   n_whole x u32 id       the ids of the vocabulary's byte-level tokens (a piece is looked up by its bytes)
+# Version 1 is version 2 without n_whole (tokenizer.c reads both; models/tiny.bin was written with version 1).
+_TOK_MAGIC, _TOK_VERSION = b"LGTK", 2
 _TOK_NEWLINE_RE = "(?:\\r?\\n)+(?!\\r?\\n)"
 _TOK_QWEN2_RE = ("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*"
                  "|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+")
@@ -1518,9 +1521,6 @@ def _tok_check_pipeline(path, j):
     """Refuse anything that is not exactly Laguna's pipeline: a silently wrong tokenizer is worse than none."""
     if j.get("normalizer") is not None:
         _tok_refuse(path, f"a normalizer ({j['normalizer'].get('type')}); Laguna has none")
-    for key in ("truncation", "padding"):
-        if j.get(key) is not None:
-            _tok_refuse(path, f"'{key}' is set; encode() would change the ids")
     pre = j.get("pre_tokenizer") or {}
     steps = pre.get("pretokenizers") if pre.get("type") == "Sequence" else None
     want = "Sequence[Split(newline runs, MergedWithNext), Split(Qwen2 regex, Isolated), ByteLevel]"
@@ -1539,10 +1539,8 @@ def _tok_check_pipeline(path, j):
     m = j.get("model") or {}
     if m.get("type") != "BPE":
         _tok_refuse(path, f"model type {m.get('type')}; want BPE")
-    if m.get("byte_fallback"):
-        _tok_refuse(path, "BPE byte_fallback is true; Laguna's is false (every byte is a token)")
-    if m.get("ignore_merges"):
-        _tok_refuse(path, "BPE ignore_merges is true; Laguna's is false")
+    # byte_fallback (true or false) changes nothing here: it names <0xXX> tokens for characters missing from the
+    # vocabulary, and after ByteLevel every character is one of the 256 byte tokens, all in it (checked below).
     if m.get("dropout") not in (None, 0, 0.0):
         _tok_refuse(path, f"BPE dropout {m.get('dropout')}")
     if m.get("continuing_subword_prefix") or m.get("end_of_word_suffix"):
@@ -1555,10 +1553,6 @@ def _tok_check_pipeline(path, j):
     for a in j.get("added_tokens") or []:
         if not a.get("content"):
             _tok_refuse(path, f"added token id {a.get('id')} has empty content")
-        for flag in ("lstrip", "rstrip", "single_word"):
-            if a.get(flag):
-                _tok_refuse(path, f"added token {a.get('content')!r} (id {a.get('id')}) has {flag}=true, "
-                                  "which tokenizer.c does not implement")
         hf_id = vocab.get(a["content"])
         if hf_id is None:
             hf_id = top + 1 if top is not None and top >= len(vocab) else len(vocab)
@@ -1567,6 +1561,42 @@ def _tok_check_pipeline(path, j):
             _tok_refuse(path, f"added token {a['content']!r} has id {a.get('id')}{other}, but HF tokenizers would give "
                               f"it id {hf_id}: the file's added_tokens and model.vocab disagree")
         top = hf_id if top is None else max(top, hf_id)
+
+
+_TOK_FLAGS = ("special", "normalized", "lstrip", "rstrip", "single_word")
+
+
+def _tok_added_tokens(path, j, cpath, config):
+    """The added tokens as transformers loads them: tokenizer.json's, each with the flags of its entry in
+    tokenizer_config.json's added_tokens_decoder where it has one (transformers puts those over the json's), and
+    the entries only the config has, which transformers adds too. A list of dicts (id, content, flags) by id."""
+    vocab = j["model"].get("vocab") or {}
+    out = {a["id"]: dict(a) for a in j.get("added_tokens") or []}
+    for k, e in (config.get("added_tokens_decoder") or {}).items():
+        if not isinstance(e, dict):
+            continue
+        if not str(k).isdigit():
+            _tok_refuse(cpath, f"added_tokens_decoder key {k!r} is not a token id")
+        i, content = int(k), e.get("content")
+        if i in out:
+            if content is not None and content != out[i]["content"]:
+                _tok_refuse(cpath, f"added_tokens_decoder gives id {i} the content {content!r}, tokenizer.json "
+                                   f"{out[i]['content']!r}")
+            out[i].update({f: e[f] for f in _TOK_FLAGS if f in e})
+        elif content and vocab.get(content) == i:
+            out[i] = dict(e, id=i)
+        else:
+            _tok_refuse(cpath, f"added_tokens_decoder has {content!r} at id {i}, which tokenizer.json neither adds "
+                               f"nor has at that id in its vocabulary (transformers would add it at id "
+                               f"{vocab.get(content, 'past the vocabulary')})")
+    dec = config.get("added_tokens_decoder") or {}
+    for a in out.values():
+        if a.get("single_word"):
+            in_config = "single_word" in (dec.get(str(a["id"])) or {})
+            _tok_refuse(cpath if in_config else path,
+                        f"added token {a['content']!r} (id {a['id']}) has single_word=true"
+                        f"{' in added_tokens_decoder' if in_config else ''}, which tokenizer.c does not implement")
+    return sorted(out.values(), key=lambda a: a["id"])
 
 
 def _tok_u32(x):
@@ -1595,9 +1625,18 @@ def tokenizer_blob(hf_dir, chat=True, say=None):
     with open(path, encoding="utf-8") as f:
         j = json.load(f)
     _tok_check_pipeline(path, j)
+    for key in ("truncation", "padding"):
+        if j.get(key) is not None:
+            say(f"tokenizer: note: tokenizer.json sets {key}; transformers encodes without it unless a call asks "
+                "for it, and so does laguna")
+    config = {}
+    cpath = os.path.join(hf_dir, "tokenizer_config.json")
+    if os.path.exists(cpath):
+        with open(cpath, encoding="utf-8") as f:
+            config = json.load(f)
     model = j["model"]
     vocab = model.get("vocab") or {}
-    added = sorted(j.get("added_tokens") or [], key=lambda a: a["id"])
+    added = _tok_added_tokens(path, j, cpath, config)
     id_to_tok = {}
     for tok, i in vocab.items():
         if not 0 <= i < 2**31 or i in id_to_tok:
@@ -1639,19 +1678,9 @@ def tokenizer_blob(hf_dir, chat=True, say=None):
     for (a, b), (_, c) in merges:
         body.append(_tok_u32(a) + _tok_u32(b) + _tok_u32(c))
     for a in added:
-        flags = (1 if a.get("special") else 0) | (2 if a.get("normalized") else 0)
+        flags = sum(bit for bit, f in ((1, "special"), (2, "normalized"), (4, "lstrip"), (8, "rstrip")) if a.get(f))
         body.append(_tok_u32(a["id"]) + _tok_u32(flags) + _tok_str(a["content"].encode("utf-8")))
 
-    config = {}
-    cpath = os.path.join(hf_dir, "tokenizer_config.json")
-    if os.path.exists(cpath):
-        with open(cpath, encoding="utf-8") as f:
-            config = json.load(f)
-    for i, a in (config.get("added_tokens_decoder") or {}).items():   # transformers applies these flags too
-        for flag in ("lstrip", "rstrip", "single_word"):
-            if isinstance(a, dict) and a.get(flag):
-                _tok_refuse(cpath, f"added token {a.get('content')!r} (id {i}) has {flag}=true in added_tokens_decoder, "
-                                   "which tokenizer.c does not implement")
     by_content = {a["content"]: a["id"] for a in added}
     by_content.update({k: v for k, v in vocab.items() if k not in by_content})
 
@@ -1663,12 +1692,17 @@ def tokenizer_blob(hf_dir, chat=True, say=None):
     chat_kv = _tok_chat_data(hf_dir, config, say) if chat else {}
     for k, v in chat_kv.items():
         body.append(_tok_str(k.encode("utf-8")) + _tok_str(v.encode("utf-8")))
+    # ignore_merges (HF tokenizers' BPE): a piece that is itself in the vocabulary becomes that one token, merges
+    # or not. Pieces are byte-level strings, so only vocabulary tokens made of byte-map characters can match.
+    whole = sorted(i for tok, i in vocab.items() if all(ch in u2b for ch in tok)) if model.get("ignore_merges") else []
+    for i in whole:
+        body.append(_tok_u32(i))
     out += [_tok_u32(n_vocab), _tok_u32(len(merges)), _tok_u32(len(added)), _tok_u32(len(chat_kv)),
-            _tok_i32(special_id("bos_token")), _tok_i32(special_id("eos_token"))]
+            _tok_u32(len(whole)), _tok_i32(special_id("bos_token")), _tok_i32(special_id("eos_token"))]
     out += [_tok_i32(x) for x in byte_id]
     blob = b"".join(out + body)
     say(f"tokenizer: {n_vocab} ids, {len(merges)} merges, {len(added)} added tokens, "
-          f"chat template: {'yes' if chat_kv else 'no'}, {len(blob)} bytes")
+          f"{'ignore_merges, ' if whole else ''}chat template: {'yes' if chat_kv else 'no'}, {len(blob)} bytes")
     return blob
 
 

@@ -7,15 +7,18 @@
 //   2. pre-tokenizer stage 1: Split (?:\r?\n)+(?!\r?\n), MergedWithNext: cut before every newline run
 //   3. pre-tokenizer stage 2: Split on the Qwen2 regex, Isolated (every match is a piece)
 //   4. ByteLevel + BPE: each piece's bytes become single-byte tokens, merged lowest rank first, then leftmost
+//      (with BPE's ignore_merges, a piece that is a vocabulary token as a whole becomes that token at once)
 //
-// The "tokenizer" blob, version 1 (written by tokenizer_blob() in export.py; keep the two in step).
+// The "tokenizer" blob, version 2 (written by tokenizer_blob() in export.py; keep the two in step).
 // Little-endian; strings are UTF-8 bytes without NUL:
-//   char magic[4] = "LGTK"; u32 version = 1
-//   u32 n_vocab, n_merges, n_added, n_chat;  i32 bos_id, eos_id;  i32 byte_id[256]
+//   char magic[4] = "LGTK"; u32 version = 2
+//   u32 n_vocab, n_merges, n_added, n_chat, n_whole;  i32 bos_id, eos_id;  i32 byte_id[256]
 //   n_vocab  x { u32 len; bytes }          decoded bytes of each id; len = 0xFFFFFFFF: unused id
 //   n_merges x { u32 left, right, merged } rank = index
-//   n_added  x { u32 id; u32 flags; u32 len; bytes }   flags: 1 special, 2 normalized
+//   n_added  x { u32 id; u32 flags; u32 len; bytes }   flags: 1 special, 2 normalized, 4 lstrip, 8 rstrip
 //   n_chat   x { u32 klen; key; u32 vlen; value }       chat pieces, keys described in export.py
+//   n_whole  x { u32 id }                  ignore_merges: ids a whole piece with the same bytes becomes
+// Version 1 is version 2 without n_whole (0); both are read.
 #include "tokenizer.h"
 #include "tokenizer_unicode.h"
 
@@ -94,6 +97,22 @@ static size_t merge_slot(const Tokenizer *t, uint64_t key) {
     return i;
 }
 
+// ignore_merges: the vocabulary's byte-level tokens by their bytes (FNV-1a), open addressing, at most half full
+static uint64_t bytes_hash(const unsigned char *s, size_t n) {
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (size_t i = 0; i < n; i++) h = (h ^ s[i]) * 0x100000001b3ull;
+    return h;
+}
+
+// the slot of the token whose bytes are s[0..n): holds its id, or -1 (empty: no such token)
+static size_t whole_slot(const Tokenizer *t, const unsigned char *s, size_t n) {
+    size_t i = (size_t)bytes_hash(s, n) & (t->whole_cap - 1);
+    for (;; i = (i + 1) & (t->whole_cap - 1)) {
+        int32_t id = t->whole_id[i];
+        if (id < 0 || (t->tok_len[id] == n && memcmp(t->strings + t->tok_off[id], s, n) == 0)) return i;
+    }
+}
+
 // rank and merged id of the pair (a, b); 0 if they don't merge
 static inline int merge_lookup(const Tokenizer *t, int a, int b, uint32_t *rank, int *id) {
     size_t i = merge_slot(t, (uint64_t)(uint32_t)a << 32 | (uint32_t)b);
@@ -149,15 +168,16 @@ int tokenizer_init(Tokenizer *t, const unsigned char *blob, uint64_t nbytes, cha
     }
     r.p += 4;
     uint32_t version = rd_u32(&r);
-    if (version != 1) {
-        set_err(err, errsz, "tokenizer blob: version %u, this build reads version 1\n%s", version, hint);
+    if (version != 1 && version != 2) {
+        set_err(err, errsz, "tokenizer blob: version %u, this build reads versions 1 and 2\n%s", version, hint);
         return -1;
     }
     uint32_t n_vocab = rd_u32(&r), n_merges = rd_u32(&r), n_added = rd_u32(&r), n_chat = rd_u32(&r);
+    uint32_t n_whole = version >= 2 ? rd_u32(&r) : 0;
     t->bos_id = (int32_t)rd_u32(&r);
     t->eos_id = (int32_t)rd_u32(&r);
     for (int b = 0; b < 256; b++) t->byte_id[b] = (int32_t)rd_u32(&r);
-    if (r.bad || n_vocab > (1u << 30) || n_merges > (1u << 30) || n_added > n_vocab) {
+    if (r.bad || n_vocab > (1u << 30) || n_merges > (1u << 30) || n_added > n_vocab || n_whole > n_vocab) {
         set_err(err, errsz, "tokenizer blob: truncated header or absurd counts\n%s", hint);
         return -1;
     }
@@ -185,9 +205,12 @@ int tokenizer_init(Tokenizer *t, const unsigned char *blob, uint64_t nbytes, cha
     t->added_flags = malloc((n_added + 1) * sizeof(uint32_t));
     t->added_order[0] = malloc((n_added + 1) * sizeof(int));
     t->added_order[1] = malloc((n_added + 1) * sizeof(int));
+    t->whole_cap = 16;
+    while (t->whole_cap < 2 * (size_t)n_whole) t->whole_cap *= 2;
+    t->whole_id = malloc(t->whole_cap * sizeof(int32_t));
     if (!t->strings || !t->tok_off || !t->tok_len || !t->merge_key || !t->merge_rank || !t->merge_id ||
         !t->added_id || !t->added_off || !t->added_len || !t->added_flags || !t->added_order[0] ||
-        !t->added_order[1]) {
+        !t->added_order[1] || !t->whole_id) {
         tokenizer_free(t);
         set_err(err, errsz, "tokenizer: out of memory");
         return -1;
@@ -235,6 +258,16 @@ int tokenizer_init(Tokenizer *t, const unsigned char *blob, uint64_t nbytes, cha
         used += vlen;
         t->has_chat = 1;
     }
+    memset(t->whole_id, 0xFF, t->whole_cap * sizeof(int32_t));
+    for (uint32_t i = 0; i < n_whole && !r.bad; i++) {
+        uint32_t id = rd_u32(&r);
+        if (id >= n_vocab || t->tok_len[id] == UINT32_MAX) { r.bad = 1; break; }
+        const unsigned char *s = (const unsigned char *)t->strings + t->tok_off[id];
+        size_t slot = whole_slot(t, s, t->tok_len[id]);
+        if (t->whole_id[slot] >= 0) { r.bad = 1; break; }   // two ids with the same bytes
+        t->whole_id[slot] = (int32_t)id;
+    }
+    t->n_whole = (int)n_whole;
     if (r.bad) {
         tokenizer_free(t);
         set_err(err, errsz, "tokenizer blob: truncated or inconsistent (%llu bytes)\n%s",
@@ -270,6 +303,7 @@ void tokenizer_free(Tokenizer *t) {
     free(t->added_flags);
     free(t->added_order[0]);
     free(t->added_order[1]);
+    free(t->whole_id);
     memset(t, 0, sizeof(*t));
 }
 
@@ -358,6 +392,10 @@ static Merge heap_pop(Enc *e) {
 // a popped entry is stale if its left symbol was merged away or the pair there no longer makes the same token.
 static void bpe(const Tokenizer *t, Enc *e, const unsigned char *s, size_t n) {
     if (n == 1) { push_id(e, t->byte_id[s[0]]); return; }
+    if (t->n_whole > 0) {            // ignore_merges: a piece that is a token as a whole is that token
+        int32_t id = t->whole_id[whole_slot(t, s, n)];
+        if (id >= 0) { push_id(e, id); return; }
+    }
     if (n > e->sym_cap) {
         size_t cap = n + n / 2 + 16;
         Symbol *sym = realloc(e->sym, cap * sizeof(Symbol));
@@ -483,9 +521,11 @@ static void encode_span(const Tokenizer *t, Enc *e, const unsigned char *text, s
 // Split on added tokens, leftmost then longest (HF's aho-corasick LeftmostLongest), pass 0 = tokens with
 // normalized=false, then pass 1 on the gaps = normalized=true (Laguna has no normalizer, so both match literally;
 // only the order differs). Gaps after the last pass go to the pre-tokenizer. Positions are codepoint indices.
+// A token with lstrip / rstrip takes the whitespace (\s, White_Space) of its span [a, b) before / after it along
+// (HF's find_matches: lstrip stops at the end of the previous match; the search goes on after the match itself).
 static void split_added(const Tokenizer *t, Enc *e, const unsigned char *text, size_t a, size_t b, int pass) {
     if (pass == 2) { encode_span(t, e, text, a, b); return; }
-    size_t gap = a;
+    size_t gap = a;   // the end of the previous match (and of what it stripped): text from here is not yet encoded
     for (size_t i = a; i < b; i++) {
         unsigned char c0 = text[e->off[i]];
         int lo = t->added_first[pass][c0], hi = t->added_first[pass][c0 + 1];
@@ -502,12 +542,19 @@ static void split_added(const Tokenizer *t, Enc *e, const unsigned char *text, s
             }
         }
         if (best < 0) continue;
-        if (i > gap) split_added(t, e, text, gap, i, pass + 1);
-        if (e->pieces) { push_bound(e, e->off[i]); push_bound(e, e->off[i] + best_len); }
-        else push_id(e, t->added_id[best]);
-        size_t end = e->off[i] + best_len, j = i;   // the match ends on a character boundary (valid UTF-8)
+        size_t end = e->off[i] + best_len, j = i;   // the match is [i, j): it ends on a character boundary
         while (e->off[j] < end) j++;
-        gap = j;
+        size_t start = i, stop = j;
+        if (t->added_flags[best] & 4) {           // lstrip
+            while (start > a && (e->cls[start - 1] & TOK_S)) start--;
+            if (start < gap) start = gap;
+        }
+        if (t->added_flags[best] & 8)             // rstrip
+            while (stop < b && (e->cls[stop] & TOK_S)) stop++;
+        if (start > gap) split_added(t, e, text, gap, start, pass + 1);
+        if (e->pieces) { push_bound(e, e->off[start]); push_bound(e, e->off[stop > start ? stop : start]); }
+        else push_id(e, t->added_id[best]);
+        gap = stop;
         i = j - 1;
     }
     if (b > gap) split_added(t, e, text, gap, b, pass + 1);

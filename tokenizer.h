@@ -2,8 +2,10 @@
 // decoding, and chat prompts built from pieces of the checkpoint's own chat template.
 //
 // Encoding is identical to Hugging Face `Tokenizer.from_file("tokenizer.json").encode(text,
-// add_special_tokens=False).ids`: added tokens (ids 0..69 in Laguna) are matched literally first; each span
-// between them is cut before every newline run, then by the Qwen2-style regex, then byte-level BPE merges by rank.
+// add_special_tokens=False).ids` (with the added tokens' flags of tokenizer_config.json, as transformers loads it):
+// added tokens (ids 0..69 in Laguna) are matched literally first, with the whitespace beside them where they lstrip /
+// rstrip; each span between them is cut before every newline run, then by the Qwen2-style regex, then byte-level BPE
+// merges by rank (or, with BPE's ignore_merges, a piece that is a vocabulary token as a whole is that token).
 // No BOS is added: a rendered chat prompt already starts with 〈|EOS|〉 (id 2).
 //
 // Everything comes from the "tokenizer" blob that export.py stores in the model file (format in tokenizer.c).
@@ -30,10 +32,15 @@ typedef struct {
     int32_t *merge_id;        // [merge_cap]
     size_t merge_cap;         // power of two
     int n_merges;
+    // BPE ignore_merges (0 tokens when off): open-addressing hash, by their bytes, of the ids a whole piece becomes
+    int32_t *whole_id;        // [whole_cap] an id, or -1 = empty slot
+    size_t whole_cap;         // power of two
+    int n_whole;
     // added tokens, matched literally in two passes like HF: first the ones with normalized=false, then the rest
     int n_added;
     int32_t *added_id;        // [n_added]
-    uint32_t *added_off, *added_len, *added_flags;  // content in strings; flags: 1 special, 2 normalized
+    uint32_t *added_off, *added_len;  // content in strings
+    uint32_t *added_flags;            // 1 special, 2 normalized, 4 lstrip, 8 rstrip (takes the whitespace beside it)
     int *added_order[2];      // per pass: indices of that pass's added tokens sorted by first byte
     int added_first[2][257];  // per pass: added_order[p][added_first[p][b] .. added_first[p][b+1]) start with b
     // chat format (see export.py, _tok_chat_data)

@@ -214,12 +214,16 @@ def test_parity_named(v8, hf):
     check_pieces(v8, hf, list(NAMED.values()), "named cases")
 
 
-def test_parity_source_files(v8, hf):
-    # real code: a handful of stdlib files whole (not the first ones, which were the training text)
+def source_texts():
+    """real code: a handful of stdlib files whole (not the first ones, which were the training text)"""
     lib = os.path.dirname(os.__file__)
     names = sorted(n for n in os.listdir(lib) if n.endswith(".py"))[-12:]
     texts = [open(os.path.join(lib, n), encoding="utf-8", errors="replace").read() for n in names]
-    texts.append(open(os.path.join(ROOT, "tokenizer.c"), encoding="utf-8").read())
+    return texts + [open(os.path.join(ROOT, "tokenizer.c"), encoding="utf-8").read()]
+
+
+def test_parity_source_files(v8, hf):
+    texts = source_texts()
     check_parity(v8, hf, texts, "source files")
     check_pieces(v8, hf, texts, "source files")
 
@@ -517,14 +521,13 @@ def variant(tmp_path, name, edit):
 
 REFUSALS = {
     "normalizer": (lambda j: j.update(normalizer={"type": "NFC"}), "normalizer"),
-    "byte_fallback": (lambda j: j["model"].update(byte_fallback=True), "byte_fallback"),
     "pretokenizer": (lambda j: j.update(pre_tokenizer={"type": "ByteLevel", "add_prefix_space": False,
                                                        "trim_offsets": True, "use_regex": True}), "pre_tokenizer"),
     "regex": (lambda j: j["pre_tokenizer"]["pretokenizers"][1]["pattern"].update(
         Regex=j["pre_tokenizer"]["pretokenizers"][1]["pattern"]["Regex"].replace("\\p{N}|", "\\p{N}{1,3}|")),
         "pre-tokenizer step"),
     "model": (lambda j: j["model"].update(type="WordPiece"), "model type"),
-    "lstrip": (lambda j: j["added_tokens"][2].update(lstrip=True), "lstrip"),
+    "single_word": (lambda j: j["added_tokens"][2].update(single_word=True), "single_word"),
     "decoder": (lambda j: j.update(decoder={"type": "Metaspace"}), "decoder"),
 }
 
@@ -577,16 +580,162 @@ def test_export_added_token_ids_as_hf_assigns_them(tmp_path, name):
     assert name in ("consistent", "missing_renumbered") or not agree   # the edits do what they say
 
 
-def test_export_refuses_flags_in_tokenizer_config(tmp_path):
-    """transformers applies lstrip / rstrip from tokenizer_config.json's added_tokens_decoder: refused like the
-    same flags in tokenizer.json"""
-    d = variant(tmp_path, "cfgflags", lambda j: None)
+def flag_variant(tmp_path, name, edit_json, edit_decoder):
+    """a checkpoint directory: DATA's tokenizer.json and tokenizer_config.json, edited"""
+    d = variant(tmp_path, name, edit_json)
     cfg = json.load(open(os.path.join(DATA, "tokenizer_config.json"), encoding="utf-8"))
-    dec = cfg.setdefault("added_tokens_decoder", {})
-    dec["18"] = dict(dec.get("18") or {"content": "<think>", "special": False}, lstrip=True, rstrip=True)
+    edit_decoder(cfg["added_tokens_decoder"])
     (d / "tokenizer_config.json").write_text(json.dumps(cfg, ensure_ascii=False), encoding="utf-8")
-    r = run_export(d)
-    assert r.returncode != 0 and "added_tokens_decoder" in r.stderr and "lstrip" in r.stderr, r.stderr
+    return d
+
+
+CONFIG_REFUSALS = {   # tokenizer_config.json's added_tokens_decoder, edited: (edit, words in the message)
+    "single_word": (lambda dec: dec["18"].update(single_word=True), ["added_tokens_decoder", "single_word"]),
+    "other_content": (lambda dec: dec["18"].update(content="<thought>"), ["id 18", "<thought>", "<think>"]),
+    "not_in_vocab": (lambda dec: dec.update({"4000": dict(dec["18"], content="<NEW>")}), ["<NEW>", "past the vocab"]),
+    "bad_key": (lambda dec: dec.update({"x": dec["18"]}), ["'x'", "not a token id"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIG_REFUSALS))
+def test_export_refuses_added_tokens_it_cannot_reproduce(tmp_path, name):
+    edit, words = CONFIG_REFUSALS[name]
+    r = run_export(flag_variant(tmp_path, name, lambda j: None, edit))
+    assert r.returncode != 0 and "tokenizer_config.json" in r.stderr and "HINT" in r.stderr, r.stderr
+    assert all(w in r.stderr for w in words), r.stderr
+
+
+def test_added_token_flags_match_transformers(build, tmp_path):
+    """Added tokens' lstrip / rstrip / normalized, set at random in tokenizer.json and in tokenizer_config.json's
+    added_tokens_decoder (which transformers puts over the json's), plus entries only the config has (vocabulary
+    tokens, which transformers adds as added tokens) and a single_word the config turns off: tokenizer.c encodes
+    as transformers' AutoTokenizer does, on text full of added tokens and whitespace."""
+    AutoTokenizer = pytest.importorskip("transformers").AutoTokenizer
+    d, exe = build
+    rng = random.Random(2024)
+    vocab = json.load(open(os.path.join(DATA, "tokenizer.json"), encoding="utf-8"))["model"]["vocab"]
+    pieces = [t for t, i in sorted(vocab.items(), key=lambda kv: kv[1]) if 400 <= i < 4096 and len(t) >= 3]
+    spaces = [" ", "  ", "\t", "\n", "\n\n", "\u3000", "\u00a0", "\r\n"]
+    texts = []
+    for k in range(1500):
+        pool = ADDED_TEXT + spaces + spaces + ["x", "def", "ab c", "日本", "'s"]
+        texts.append("".join(rng.choice(pool) for _ in range(rng.randrange(1, 16))))
+    texts += random_strings(500, seed=79)
+    changed = 0
+    for trial in range(6):
+        def edit_json(j):
+            for a in j["added_tokens"]:
+                for f in ("lstrip", "rstrip", "normalized"):
+                    if rng.random() < 0.3:
+                        a[f] = not a[f]
+            j["added_tokens"][5]["single_word"] = True            # turned off by the config below
+
+        def edit_decoder(dec):
+            for a in dec.values():
+                for f in ("lstrip", "rstrip", "normalized"):
+                    if rng.random() < 0.3:
+                        a[f] = not a[f]
+            dec["5"]["single_word"] = False
+            for t in rng.sample(pieces, 3):                       # vocabulary tokens only the config adds
+                dec[str(vocab[t])] = {"content": t, "lstrip": rng.random() < 0.5, "rstrip": rng.random() < 0.5,
+                                      "normalized": False, "single_word": False, "special": False}
+                texts.append(f"a{t}b {t}  {t}\n")
+        hf_dir = flag_variant(tmp_path, f"flags{trial}", edit_json, edit_decoder)
+        h = Harness(exe, write_blob(d, f"flags{trial}.bin", str(hf_dir)), hf_dir=str(hf_dir))
+        tf = AutoTokenizer.from_pretrained(str(hf_dir))
+        got = h.encode(texts)
+        want = [tf(t, add_special_tokens=False)["input_ids"] for t in texts]
+        plain = [e.ids for e in tokenizers.Tokenizer.from_file(os.path.join(DATA, "tokenizer.json")).encode_batch(
+            texts, add_special_tokens=False)]
+        bad = [(t, w, g) for t, w, g in zip(texts, want, got) if w != g]
+        changed += sum(w != p for w, p in zip(want, plain))
+        print(f"flags trial {trial}: {len(texts)} texts, {sum(map(len, want))} tokens, {len(bad)} mismatches")
+        for t, w, g in bad[:3]:
+            print(f"  {t!r}\n    transformers {w}\n    C            {g}")
+        assert not bad
+    assert changed > 1000     # the flags change the ids: the case tests something
+
+
+def test_ignore_merges_matches_hf(build, hf, tmp_path):
+    """BPE ignore_merges (HF tokenizers): a piece that is a vocabulary token as a whole becomes that token, whatever
+    the merges would make of it. The vocabulary gets 3,000 pieces the merges split (code and random text) as
+    tokens of their own, with no merges that reach them; tokenizer.c must then encode as HF does with the flag on,
+    and as HF does with it off."""
+    d, exe = build
+    texts = source_texts() + random_strings(3000, seed=77)
+    split = {}                       # piece -> how often, for pieces BPE makes two or more tokens of
+    for t in texts:
+        for p, _ in hf.pre_tokenizer.pre_tokenize_str(t):
+            if len(hf.model.tokenize(p)) > 1:
+                split[p] = split.get(p, 0) + 1
+    new = sorted(split, key=lambda p: (-split[p], p))[:3000]
+    encodings = {}
+    for flag in (True, False):
+        def edit(j):
+            v = j["model"]["vocab"]
+            for k, p in enumerate(new):
+                v[p] = 4096 + k
+            j["model"]["ignore_merges"] = flag
+        hf_dir = variant(tmp_path, f"ignore_merges_{flag}", edit)
+        h = Harness(exe, write_blob(d, f"ignore_merges_{flag}.bin", str(hf_dir)), hf_dir=str(hf_dir))
+        want = tokenizers.Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
+        encodings[flag] = check_parity(h, want, texts, f"ignore_merges={flag}, {len(new)} whole pieces added")
+    changed = sum(a != b for a, b in zip(encodings[True], encodings[False]))
+    print(f"the flag changes the ids of {changed} of {len(texts)} texts")
+    assert changed > len(texts) // 4     # the case above tests something
+
+
+def test_byte_fallback_changes_nothing(tmp_path, hf):
+    """byte_fallback only names <0xXX> tokens for characters the vocabulary lacks; after ByteLevel every character
+    is a byte token in the vocabulary. HF encodes alike with it on, and export writes the same blob."""
+    d = variant(tmp_path, "byte_fallback", lambda j: j["model"].update(byte_fallback=True))
+    for f in ("tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(os.path.join(DATA, f), d / f)
+    assert export.tokenizer_blob(str(d)) == export.tokenizer_blob(DATA)
+    on = tokenizers.Tokenizer.from_file(str(d / "tokenizer.json"))
+    texts = random_strings(2000, seed=78) + source_texts()
+    assert [e.ids for e in on.encode_batch(texts, add_special_tokens=False)] == \
+           [e.ids for e in hf.encode_batch(texts, add_special_tokens=False)]
+
+
+def test_truncation_and_padding_are_not_applied(tmp_path, hf):
+    """transformers encodes without tokenizer.json's truncation and padding unless a call asks for them (HF
+    tokenizers' own encode applies them): export notes them and writes the same blob as without them."""
+    AutoTokenizer = pytest.importorskip("transformers").AutoTokenizer
+
+    def edit(j):
+        j["truncation"] = {"direction": "Right", "max_length": 5, "strategy": "LongestFirst", "stride": 0}
+        j["padding"] = {"strategy": {"Fixed": 12}, "direction": "Right", "pad_to_multiple_of": None, "pad_id": 9,
+                        "pad_type_id": 0, "pad_token": "〈|PAD|〉"}
+    d = variant(tmp_path, "truncation", edit)
+    for f in ("tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(os.path.join(DATA, f), d / f)
+    notes = []
+    assert export.tokenizer_blob(str(d), say=notes.append) == export.tokenizer_blob(DATA, say=lambda *a: None)
+    assert any("truncation" in n for n in notes) and any("padding" in n for n in notes), notes
+    tf = AutoTokenizer.from_pretrained(str(d))
+    texts = random_strings(300, seed=80) + source_texts()[:2]
+    assert [tf(t, add_special_tokens=False)["input_ids"] for t in texts] == \
+           [e.ids for e in hf.encode_batch(texts, add_special_tokens=False)]
+
+
+def test_blob_version_1_still_read(build, v8):
+    """models/tiny.bin holds a version 1 tokenizer blob (version 2 without n_whole): it encodes the same."""
+    d, exe = build
+    with open(v8.blob, "rb") as f:
+        blob = f.read()
+    assert struct.unpack_from("<I", blob, 4)[0] == 2 and struct.unpack_from("<I", blob, 24)[0] == 0   # n_whole 0
+    old = blob[:4] + struct.pack("<I", 1) + blob[8:24] + blob[28:]
+    path = os.path.join(str(d), "v1.bin")
+    with open(path, "wb") as f:
+        f.write(old)
+    texts = random_strings(500, seed=5)
+    assert Harness(exe, path).encode(texts) == v8.encode(texts)
+    bad = blob[:4] + struct.pack("<I", 3) + blob[8:]
+    with open(path, "wb") as f:
+        f.write(bad)
+    r = subprocess.run([exe, path, "encode", path], capture_output=True, text=True)
+    assert r.returncode != 0 and "version 3" in r.stdout + r.stderr and "HINT" in r.stdout + r.stderr
 
 
 def test_export_merges_formats_and_missing(tmp_path):
