@@ -1328,7 +1328,7 @@ def export_synthetic(preset, out_path, fill, layers=None, seed=0, quiet=False, d
 # -----------------------------------------------------------------------------
 # main
 
-def export_model(hf_dir, out_path, dtype="auto", ignore_keys=(), quiet=False):
+def export_model(hf_dir, out_path, dtype="auto", ignore_keys=(), quiet=False, tokenizer=True, chat=True):
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, file=sys.stderr))
     cpath = os.path.join(hf_dir, "config.json")
     if os.path.exists(cpath):
@@ -1340,9 +1340,12 @@ def export_model(hf_dir, out_path, dtype="auto", ignore_keys=(), quiet=False):
     ids = read_special_ids(hf_dir, c)
     ck = Checkpoint(hf_dir)
     plan = plan_tensors(ck, c, dtype if dtype in ("auto", "bf16", "f32") else "auto", warn=say)
-    tok = tokenizer_blob(hf_dir, say=say)
+    tok = tokenizer_blob(hf_dir, chat=chat, say=say) if tokenizer else None
+    if tok is not None and not chat:
+        say("note: --no-chat-template: prompts go in as they are (laguna --raw)")
     if tok is None:
-        say("note: no tokenizer.json: the file will take token ids only (--ids, --score)")
+        say(f"note: {'no tokenizer.json' if tokenizer else '--no-tokenizer'}: the file will take token ids only "
+            "(--ids, --score)")
     else:
         n_tok = tokenizer_vocab_size_hint(tok) if len(tok) else 0
         if n_tok > c["vocab_size"]:
@@ -1430,6 +1433,12 @@ def main(argv=None):
                          "q8: int8, q4: 4-bit, one fp16 scale per 32 weights (embedding q8, router bf16)")
     ap.add_argument("--ignore-key", action="append", default=[], metavar="KEY",
                     help="accept an unknown config.json key you know does not change the math")
+    ap.add_argument("--no-chat-template", action="store_true",
+                    help="leave the checkpoint's chat template out (if laguna can't reproduce it): prompts then go "
+                         "in as they are, with laguna --raw")
+    ap.add_argument("--no-tokenizer", action="store_true",
+                    help="leave the tokenizer out (if laguna can't reproduce it): the file then takes token ids, "
+                         "with laguna --ids")
     ap.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
     ap.add_argument("--synthetic", metavar="PRESET", help="write a synthetic model with the exact shapes of "
                     "PRESET (XS-2.1, XS.2, or the drafter XS-2.1-DFlash) instead of converting a checkpoint: OUT is "
@@ -1455,7 +1464,8 @@ def main(argv=None):
             return 0
         if not os.path.isdir(args.hf_dir):
             raise ExportError(f"{args.hf_dir} is not a directory", "pass the checkpoint directory")
-        export_model(args.hf_dir, args.out, args.dtype, set(args.ignore_key), args.quiet)
+        export_model(args.hf_dir, args.out, args.dtype, set(args.ignore_key), args.quiet,
+                     tokenizer=not args.no_tokenizer, chat=not args.no_chat_template)
     except ExportError as e:
         print(f"export.py: error: {e}", file=sys.stderr)
         if e.hint:
@@ -1490,7 +1500,8 @@ _TOK_QWEN2_RE = ("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p
                  "|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+")
 _TOK_HINT = ("HINT: laguna's tokenizer.c implements exactly Laguna's pipeline (no normalizer; Split newline-runs "
              "MergedWithNext > Split Qwen2 regex Isolated > ByteLevel; byte-level BPE by merge rank; ByteLevel "
-             "decoder). A different tokenizer needs new C code, not just a new export.")
+             "decoder). A different tokenizer needs new C code, not just a new export; or export with "
+             "--no-tokenizer, and the file takes token ids (laguna --ids).")
 
 
 def _tok_blob_vocab_size(blob):
@@ -1948,7 +1959,7 @@ def _tok_chat_data(hf_dir, config, say):
             else:
                 raise SystemExit(f"export: {where}: the template changes {field} text in a way laguna cannot "
                                  "reproduce (not a plain strip/lstrip/rstrip).\nHINT: extend tokenizer.c's chat "
-                                 "pieces, or export with chat=False and pass prompts raw.")
+                                 "pieces, or export with --no-chat-template and send prompts as they are (laguna --raw).")
             break
         kv["strip:" + field] = str(mode_found or 0)
 
@@ -1973,7 +1984,7 @@ def _tok_chat_data(hf_dir, config, say):
                         f"(enable_thinking={think}, add_generation_prompt={gen}, roles "
                         f"{[m['role'] for m in msgs]}):\n  jinja2: {want!r}\n  pieces: {got!r}\n"
                         "HINT: the template depends on more than the previous/next message; extend tokenizer.c's "
-                        "chat pieces, or export with chat=False and pass prompts raw.")
+                        "chat pieces, or export with --no-chat-template and send prompts as they are (laguna --raw).")
     edge = [
         [_tok_msg("user", "q"), _tok_msg("assistant", ""), _tok_msg("user", "r")],
         [_tok_msg("user", "q"), _tok_msg("assistant", "", "why")],

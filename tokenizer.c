@@ -791,8 +791,9 @@ static void buf_add(Buf *b, const char *s, size_t n) {
 char *tokenizer_render_chat(const Tokenizer *t, const ChatMessage *msgs, int n, int add_generation_prompt,
                             int enable_thinking, char *err, size_t errsz) {
     if (!t->has_chat) {
-        set_err(err, errsz, "chat: the model file has no chat template\nHINT: export from a checkpoint directory "
-                "that has chat_template.jinja (or a chat_template in tokenizer_config.json)");
+        set_err(err, errsz, "chat: the model file has no chat template\nHINT: send the prompt as it is with --raw, "
+                "or export from a checkpoint directory that has chat_template.jinja (or a chat_template in "
+                "tokenizer_config.json)");
         return NULL;
     }
     int m = enable_thinking ? 1 : 0, prev = P_START;

@@ -424,6 +424,32 @@ def test_export_refuses_a_tokenizer_larger_than_the_vocabulary(tmp_path):
                  "another checkpoint")
 
 
+def test_export_without_a_tokenizer_or_template_it_cannot_reproduce(laguna, tmp_path):
+    """A chat template laguna's pieces cannot rebuild (here: turns numbered) or a tokenizer pipeline tokenizer.c
+    does not implement (here: a normalizer) stops export with a hint naming --no-chat-template / --no-tokenizer;
+    with the flag the file is written, and laguna takes --raw prompts / token ids and says what to do otherwise."""
+    d = copy_fixture(tmp_path, "xs21_bf16")
+    tpl = (d / "chat_template.jinja").read_text(encoding="utf-8")
+    assert "'<user>' + m.content" in tpl
+    (d / "chat_template.jinja").write_text(tpl.replace("'<user>' + m.content", "'<user>' ~ loop.index ~ m.content"),
+                                           encoding="utf-8")
+    out = str(tmp_path / "out.bin")
+    expect_error(export_cmd(d, tmp_path), "can't reproduce the chat template", "--no-chat-template", "--raw")
+    run(export_cmd(d, tmp_path) + ["--no-chat-template", "-q"])
+    expect_error([laguna, out, "-n", "2", "-q", "hello"], "no chat template", "--raw")
+    r = run([laguna, out, "--raw", "-t", "0", "-n", "3", "-q", "hello"])
+    assert r.stdout.strip()
+
+    j = json.loads((d / "tokenizer.json").read_text(encoding="utf-8"))
+    j["normalizer"] = {"type": "NFC"}
+    (d / "tokenizer.json").write_text(json.dumps(j), encoding="utf-8")
+    expect_error(export_cmd(d, tmp_path), "normalizer", "--no-tokenizer", "--ids")
+    run(export_cmd(d, tmp_path) + ["--no-tokenizer", "-q"])
+    expect_error([laguna, out, "-n", "2", "-q", "hello"], "has no tokenizer", "--ids")
+    r = run([laguna, out, "--ids", "2 100 200", "-t", "0", "-n", "3", "-q"])
+    assert len(r.stdout.split()) == 3
+
+
 def test_export_older_switch_keys(exported, tmp_path):
     """The older remote-code config's switches (vLLM's Laguna reads them): at the values that are Laguna's math
     the file is the same as without them; any other value is refused, naming the key and what it would mean."""
