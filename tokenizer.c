@@ -522,7 +522,8 @@ static void encode_span(const Tokenizer *t, Enc *e, const unsigned char *text, s
 // normalized=false, then pass 1 on the gaps = normalized=true (Laguna has no normalizer, so both match literally;
 // only the order differs). Gaps after the last pass go to the pre-tokenizer. Positions are codepoint indices.
 // A token with lstrip / rstrip takes the whitespace (\s, White_Space) of its span [a, b) before / after it along
-// (HF's find_matches: lstrip stops at the end of the previous match; the search goes on after the match itself).
+// (HF's find_matches: lstrip stops at the end of the previous match, which may have taken all of this one if it is
+// whitespace too: then HF drops it; the search goes on after the match itself, not after what it took).
 static void split_added(const Tokenizer *t, Enc *e, const unsigned char *text, size_t a, size_t b, int pass) {
     if (pass == 2) { encode_span(t, e, text, a, b); return; }
     size_t gap = a;   // the end of the previous match (and of what it stripped): text from here is not yet encoded
@@ -552,8 +553,10 @@ static void split_added(const Tokenizer *t, Enc *e, const unsigned char *text, s
         if (t->added_flags[best] & 8)             // rstrip
             while (stop < b && (e->cls[stop] & TOK_S)) stop++;
         if (start > gap) split_added(t, e, text, gap, start, pass + 1);
-        if (e->pieces) { push_bound(e, e->off[start]); push_bound(e, e->off[stop > start ? stop : start]); }
-        else push_id(e, t->added_id[best]);
+        if (stop > start) {                       // HF drops an empty split, the token's id with it
+            if (e->pieces) { push_bound(e, e->off[start]); push_bound(e, e->off[stop]); }
+            else push_id(e, t->added_id[best]);
+        }
         gap = stop;
         i = j - 1;
     }

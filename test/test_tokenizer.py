@@ -608,20 +608,22 @@ def test_export_refuses_added_tokens_it_cannot_reproduce(tmp_path, name):
 def test_added_token_flags_match_transformers(build, tmp_path):
     """Added tokens' lstrip / rstrip / normalized, set at random in tokenizer.json and in tokenizer_config.json's
     added_tokens_decoder (which transformers puts over the json's), plus entries only the config has (vocabulary
-    tokens, which transformers adds as added tokens) and a single_word the config turns off: tokenizer.c encodes
-    as transformers' AutoTokenizer does, on text full of added tokens and whitespace."""
+    tokens, which transformers adds as added tokens), added tokens that are whitespace themselves (which a
+    neighbour's strip can swallow) and a single_word the config turns off: tokenizer.c encodes as transformers'
+    AutoTokenizer does, on text full of added tokens and whitespace (where HF itself panics, "AddedVocabulary bad
+    split", there is nothing to compare)."""
     AutoTokenizer = pytest.importorskip("transformers").AutoTokenizer
     d, exe = build
     rng = random.Random(2024)
     vocab = json.load(open(os.path.join(DATA, "tokenizer.json"), encoding="utf-8"))["model"]["vocab"]
     pieces = [t for t, i in sorted(vocab.items(), key=lambda kv: kv[1]) if 400 <= i < 4096 and len(t) >= 3]
-    spaces = [" ", "  ", "\t", "\n", "\n\n", "\u3000", "\u00a0", "\r\n"]
+    spaces = [" ", "  ", "\t", "\n", "\n\n", "\u3000", "\u00a0", "\r\n", "\t\t"]
     texts = []
     for k in range(1500):
         pool = ADDED_TEXT + spaces + spaces + ["x", "def", "ab c", "日本", "'s"]
         texts.append("".join(rng.choice(pool) for _ in range(rng.randrange(1, 16))))
     texts += random_strings(500, seed=79)
-    changed = 0
+    changed = panics = 0
     for trial in range(6):
         def edit_json(j):
             for a in j["added_tokens"]:
@@ -629,6 +631,11 @@ def test_added_token_flags_match_transformers(build, tmp_path):
                     if rng.random() < 0.3:
                         a[f] = not a[f]
             j["added_tokens"][5]["single_word"] = True            # turned off by the config below
+            if trial % 2:                                         # whitespace tokens, at the next free ids
+                for k, ws in enumerate(["\t\t", "  "]):
+                    j["added_tokens"].append({"id": 4096 + k, "content": ws, "single_word": False,
+                                              "lstrip": rng.random() < 0.5, "rstrip": rng.random() < 0.5,
+                                              "normalized": rng.random() < 0.5, "special": True})
 
         def edit_decoder(dec):
             for a in dec.values():
@@ -644,16 +651,23 @@ def test_added_token_flags_match_transformers(build, tmp_path):
         h = Harness(exe, write_blob(d, f"flags{trial}.bin", str(hf_dir)), hf_dir=str(hf_dir))
         tf = AutoTokenizer.from_pretrained(str(hf_dir))
         got = h.encode(texts)
-        want = [tf(t, add_special_tokens=False)["input_ids"] for t in texts]
+        want = []
+        for t in texts:
+            try:
+                want.append(tf(t, add_special_tokens=False)["input_ids"])
+            except BaseException:                                 # pyo3's PanicException
+                want.append(None)
         plain = [e.ids for e in tokenizers.Tokenizer.from_file(os.path.join(DATA, "tokenizer.json")).encode_batch(
             texts, add_special_tokens=False)]
-        bad = [(t, w, g) for t, w, g in zip(texts, want, got) if w != g]
-        changed += sum(w != p for w, p in zip(want, plain))
-        print(f"flags trial {trial}: {len(texts)} texts, {sum(map(len, want))} tokens, {len(bad)} mismatches")
+        bad = [(t, w, g) for t, w, g in zip(texts, want, got) if w is not None and w != g]
+        changed += sum(w is not None and w != p for w, p in zip(want, plain))
+        panics += sum(w is None for w in want)
+        print(f"flags trial {trial}: {len(texts)} texts, {sum(len(w or []) for w in want)} tokens, {len(bad)} "
+              f"mismatches, {sum(w is None for w in want)} where HF panics")
         for t, w, g in bad[:3]:
             print(f"  {t!r}\n    transformers {w}\n    C            {g}")
         assert not bad
-    assert changed > 1000     # the flags change the ids: the case tests something
+    assert changed > 1000 and panics < 100   # the flags change the ids: the case tests something
 
 
 def test_ignore_merges_matches_hf(build, hf, tmp_path):
