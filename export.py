@@ -1577,37 +1577,40 @@ def _tok_check_pipeline(path, j):
 _TOK_FLAGS = ("special", "normalized", "lstrip", "rstrip", "single_word")
 
 
-def _tok_added_tokens(path, j, cpath, config):
-    """The added tokens as transformers loads them: tokenizer.json's, each with the flags of its entry in
-    tokenizer_config.json's added_tokens_decoder where it has one (transformers puts those over the json's), and
-    the entries only the config has, which transformers adds too. A list of dicts (id, content, flags) by id."""
+def _tok_added_tokens(path, j, cpath, config, say):
+    """The added tokens as transformers loads them: tokenizer.json's, then tokenizer_config.json's
+    added_tokens_decoder by ascending key. An entry whose content is already an added token puts its flags over
+    that token's; another one is added with the id HF gives it (its vocabulary id, else the next free one past the
+    vocabulary), whatever its key says. A list of dicts (id, content, flags) by id."""
     vocab = j["model"].get("vocab") or {}
-    out = {a["id"]: dict(a) for a in j.get("added_tokens") or []}
-    for k, e in (config.get("added_tokens_decoder") or {}).items():
-        if not isinstance(e, dict):
-            continue
+    by_content = {a["content"]: dict(a) for a in j.get("added_tokens") or []}
+    dec = config.get("added_tokens_decoder") or {}
+    for k in dec:
         if not str(k).isdigit():
             _tok_refuse(cpath, f"added_tokens_decoder key {k!r} is not a token id")
-        i, content = int(k), e.get("content")
-        if i in out:
-            if content is not None and content != out[i]["content"]:
-                _tok_refuse(cpath, f"added_tokens_decoder gives id {i} the content {content!r}, tokenizer.json "
-                                   f"{out[i]['content']!r}")
-            out[i].update({f: e[f] for f in _TOK_FLAGS if f in e})
-        elif content and vocab.get(content) == i:
-            out[i] = dict(e, id=i)
-        else:
-            _tok_refuse(cpath, f"added_tokens_decoder has {content!r} at id {i}, which tokenizer.json neither adds "
-                               f"nor has at that id in its vocabulary (transformers would add it at id "
-                               f"{vocab.get(content, 'past the vocabulary')})")
-    dec = config.get("added_tokens_decoder") or {}
-    for a in out.values():
+    for k in sorted(dec, key=int):
+        e = dec[k]
+        if not isinstance(e, dict) or not e.get("content"):
+            continue
+        if e["content"] in by_content:
+            by_content[e["content"]].update({f: e[f] for f in _TOK_FLAGS if f in e})
+            continue
+        i = vocab.get(e["content"])
+        if i is None:
+            top = max((a["id"] for a in by_content.values()), default=None)
+            i = top + 1 if top is not None and top >= len(vocab) else len(vocab)
+        if i != int(k):
+            say(f"tokenizer: note: added_tokens_decoder's {e['content']!r} (key {k}) gets id {i}, as transformers "
+                "gives it")
+        by_content[e["content"]] = dict(e, id=i)
+    for a in by_content.values():
         if a.get("single_word"):
-            in_config = "single_word" in (dec.get(str(a["id"])) or {})
+            in_config = any(isinstance(e, dict) and e.get("content") == a["content"] and "single_word" in e
+                            for e in dec.values())
             _tok_refuse(cpath if in_config else path,
                         f"added token {a['content']!r} (id {a['id']}) has single_word=true"
                         f"{' in added_tokens_decoder' if in_config else ''}, which tokenizer.c does not implement")
-    return sorted(out.values(), key=lambda a: a["id"])
+    return sorted(by_content.values(), key=lambda a: a["id"])
 
 
 def _tok_u32(x):
@@ -1647,7 +1650,7 @@ def tokenizer_blob(hf_dir, chat=True, say=None):
             config = json.load(f)
     model = j["model"]
     vocab = model.get("vocab") or {}
-    added = _tok_added_tokens(path, j, cpath, config)
+    added = _tok_added_tokens(path, j, cpath, config, say)
     id_to_tok = {}
     for tok, i in vocab.items():
         if not 0 <= i < 2**31 or i in id_to_tok:

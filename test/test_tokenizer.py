@@ -591,8 +591,6 @@ def flag_variant(tmp_path, name, edit_json, edit_decoder):
 
 CONFIG_REFUSALS = {   # tokenizer_config.json's added_tokens_decoder, edited: (edit, words in the message)
     "single_word": (lambda dec: dec["18"].update(single_word=True), ["added_tokens_decoder", "single_word"]),
-    "other_content": (lambda dec: dec["18"].update(content="<thought>"), ["id 18", "<thought>", "<think>"]),
-    "not_in_vocab": (lambda dec: dec.update({"4000": dict(dec["18"], content="<NEW>")}), ["<NEW>", "past the vocab"]),
     "bad_key": (lambda dec: dec.update({"x": dec["18"]}), ["'x'", "not a token id"]),
 }
 
@@ -603,6 +601,38 @@ def test_export_refuses_added_tokens_it_cannot_reproduce(tmp_path, name):
     r = run_export(flag_variant(tmp_path, name, lambda j: None, edit))
     assert r.returncode != 0 and "tokenizer_config.json" in r.stderr and "HINT" in r.stderr, r.stderr
     assert all(w in r.stderr for w in words), r.stderr
+
+
+def test_config_only_added_tokens_get_the_ids_transformers_gives(build, tmp_path):
+    """added_tokens_decoder entries tokenizer.json does not have: transformers adds them by ascending key, at the
+    content's vocabulary id or else the next free id past the vocabulary, whatever the key says; an entry whose key
+    names another token's id is a new token too. tokenizer.c encodes and decodes them as transformers does."""
+    AutoTokenizer = pytest.importorskip("transformers").AutoTokenizer
+    d, exe = build
+    vocab = json.load(open(os.path.join(DATA, "tokenizer.json"), encoding="utf-8"))["model"]["vocab"]
+    inv = {i: t for t, i in vocab.items()}
+    base = {"lstrip": False, "rstrip": False, "normalized": False, "single_word": False, "special": True}
+
+    def edit(dec):
+        dec["5000"] = dict(base, content="<A>")
+        dec["4500"] = dict(base, content="<B>", rstrip=True)
+        dec["3000"] = dict(base, content=inv[1000])           # a vocabulary token under another id's key
+        dec["18"] = dict(base, content="<thought>")           # replaces nothing: "<think>" keeps id 18
+    hf_dir = flag_variant(tmp_path, "config_only", lambda j: None, edit)
+    notes = []
+    blob = export.tokenizer_blob(str(hf_dir), say=notes.append)
+    path = os.path.join(str(d), "config_only.bin")
+    with open(path, "wb") as f:
+        f.write(blob)
+    h = Harness(exe, path, hf_dir=str(hf_dir))
+    tf = AutoTokenizer.from_pretrained(str(hf_dir))
+    assert tf.convert_tokens_to_ids(["<thought>", "<B>", "<A>"]) == [4096, 4097, 4098]   # keys 18 < 4500 < 5000
+    assert sum("gets id" in n for n in notes) == 4, notes
+    texts = [f"x<A>y<B>  z{inv[1000]}w<thought><think>", "<A><A> <B>\n<B>", inv[1000] * 3] + \
+        random_strings(300, seed=81)
+    assert h.encode(texts) == [tf(t, add_special_tokens=False)["input_ids"] for t in texts]
+    seqs = [[4096, 4097, 4098, 18, 1000, 157]]
+    assert [b.decode() for b in h.decode(seqs)] == [tf.decode(s) for s in seqs]
 
 
 def test_added_token_flags_match_transformers(build, tmp_path):
