@@ -1490,7 +1490,8 @@ def main(argv=None):
 #   n_vocab x { u32 len; u8 bytes[len] }   what decoding the id emits (HF ByteLevel decoder semantics);
 #                                          len = 0xFFFFFFFF: no token has this id (decoding skips it)
 #   n_merges x { u32 left, right, merged }
-#   n_added x { u32 id; u32 flags (1 special, 2 normalized, 4 lstrip, 8 rstrip); u32 len; u8 content[len] }
+#   n_added x { u32 id; u32 flags (1 special, 2 normalized, 4 lstrip, 8 rstrip, 16 single_word); u32 len;
+#               u8 content[len] }
 #   n_chat x { u32 klen; u8 key[klen]; u32 vlen; u8 value[vlen] }      see _tok_chat_data for the keys
 #   n_whole x u32 id       the ids of the vocabulary's byte-level tokens (a piece is looked up by its bytes)
 # Version 1 is version 2 without n_whole (tokenizer.c reads both; models/tiny.bin was written with version 1).
@@ -1603,13 +1604,6 @@ def _tok_added_tokens(path, j, cpath, config, say):
             say(f"tokenizer: note: added_tokens_decoder's {e['content']!r} (key {k}) gets id {i}, as transformers "
                 "gives it")
         by_content[e["content"]] = dict(e, id=i)
-    for a in by_content.values():
-        if a.get("single_word"):
-            in_config = any(isinstance(e, dict) and e.get("content") == a["content"] and "single_word" in e
-                            for e in dec.values())
-            _tok_refuse(cpath if in_config else path,
-                        f"added token {a['content']!r} (id {a['id']}) has single_word=true"
-                        f"{' in added_tokens_decoder' if in_config else ''}, which tokenizer.c does not implement")
     return sorted(by_content.values(), key=lambda a: a["id"])
 
 
@@ -1692,7 +1686,8 @@ def tokenizer_blob(hf_dir, chat=True, say=None):
     for (a, b), (_, c) in merges:
         body.append(_tok_u32(a) + _tok_u32(b) + _tok_u32(c))
     for a in added:
-        flags = sum(bit for bit, f in ((1, "special"), (2, "normalized"), (4, "lstrip"), (8, "rstrip")) if a.get(f))
+        flags = sum(bit for bit, f in ((1, "special"), (2, "normalized"), (4, "lstrip"), (8, "rstrip"),
+                                       (16, "single_word")) if a.get(f))
         body.append(_tok_u32(a["id"]) + _tok_u32(flags) + _tok_str(a["content"].encode("utf-8")))
 
     by_content = {a["content"]: a["id"] for a in added}

@@ -15,12 +15,14 @@
 //   u32 n_vocab, n_merges, n_added, n_chat, n_whole;  i32 bos_id, eos_id;  i32 byte_id[256]
 //   n_vocab  x { u32 len; bytes }          decoded bytes of each id; len = 0xFFFFFFFF: unused id
 //   n_merges x { u32 left, right, merged } rank = index
-//   n_added  x { u32 id; u32 flags; u32 len; bytes }   flags: 1 special, 2 normalized, 4 lstrip, 8 rstrip
+//   n_added  x { u32 id; u32 flags; u32 len; bytes }   flags: 1 special, 2 normalized, 4 lstrip, 8 rstrip,
+//                                                      16 single_word
 //   n_chat   x { u32 klen; key; u32 vlen; value }       chat pieces, keys described in export.py
 //   n_whole  x { u32 id }                  ignore_merges: ids a whole piece with the same bytes becomes
 // Version 1 is version 2 without n_whole (0); both are read.
 #include "tokenizer.h"
 #include "tokenizer_unicode.h"
+#include "tokenizer_word.h"
 
 #include <stdarg.h>
 #include <stdio.h>
@@ -52,6 +54,18 @@ static inline uint8_t uclass(uint32_t cp) {
 
 // Decode one UTF-8 character at s[0..n). Returns its length (1..4) and sets *cp, or 0 if the bytes are not
 // well-formed UTF-8 (overlongs, surrogates and > U+10FFFF are rejected, as Rust's str and Python do).
+// \w as HF's single_word check sees it (tokenizer_word.h, read back from HF tokenizers by dev/gen_word_table.py)
+static int is_word(uint32_t cp) {
+    size_t lo = 0, hi = TOK_N_WORD_RANGES;
+    while (lo < hi) {
+        size_t mid = (lo + hi) / 2;
+        if (cp < tok_word_ranges[mid][0]) hi = mid;
+        else if (cp > tok_word_ranges[mid][1]) lo = mid + 1;
+        else return 1;
+    }
+    return 0;
+}
+
 static int utf8_decode(const unsigned char *s, size_t n, uint32_t *cp) {
     unsigned char c = s[0];
     if (c < 0x80) { *cp = c; return 1; }
@@ -521,9 +535,10 @@ static void encode_span(const Tokenizer *t, Enc *e, const unsigned char *text, s
 // Split on added tokens, leftmost then longest (HF's aho-corasick LeftmostLongest), pass 0 = tokens with
 // normalized=false, then pass 1 on the gaps = normalized=true (Laguna has no normalizer, so both match literally;
 // only the order differs). Gaps after the last pass go to the pre-tokenizer. Positions are codepoint indices.
-// A token with lstrip / rstrip takes the whitespace (\s, White_Space) of its span [a, b) before / after it along
-// (HF's find_matches: lstrip stops at the end of the previous match, which may have taken all of this one if it is
-// whitespace too: then HF drops it; the search goes on after the match itself, not after what it took).
+// A token with single_word only counts where no word character (\w) of its span [a, b) touches it. One with
+// lstrip / rstrip takes the whitespace (\s, White_Space) of the span before / after it along (HF's find_matches:
+// lstrip stops at the end of the previous match, which may have taken all of this one if it is whitespace too: then
+// HF drops it). The search goes on after the match itself, not after what it took or after a match left out.
 static void split_added(const Tokenizer *t, Enc *e, const unsigned char *text, size_t a, size_t b, int pass) {
     if (pass == 2) { encode_span(t, e, text, a, b); return; }
     size_t gap = a;   // the end of the previous match (and of what it stripped): text from here is not yet encoded
@@ -545,6 +560,10 @@ static void split_added(const Tokenizer *t, Enc *e, const unsigned char *text, s
         if (best < 0) continue;
         size_t end = e->off[i] + best_len, j = i;   // the match is [i, j): it ends on a character boundary
         while (e->off[j] < end) j++;
+        if ((t->added_flags[best] & 16) && ((i > a && is_word(e->cp[i - 1])) || (j < b && is_word(e->cp[j])))) {
+            i = j - 1;                            // single_word, inside a word: not a match
+            continue;
+        }
         size_t start = i, stop = j;
         if (t->added_flags[best] & 4) {           // lstrip
             while (start > a && (e->cls[start - 1] & TOK_S)) start--;

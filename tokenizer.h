@@ -40,7 +40,8 @@ typedef struct {
     int n_added;
     int32_t *added_id;        // [n_added]
     uint32_t *added_off, *added_len;  // content in strings
-    uint32_t *added_flags;            // 1 special, 2 normalized, 4 lstrip, 8 rstrip (takes the whitespace beside it)
+    uint32_t *added_flags;            // 1 special, 2 normalized, 4 lstrip, 8 rstrip (takes the whitespace beside
+                                      // it), 16 single_word (no word character beside it)
     int *added_order[2];      // per pass: indices of that pass's added tokens sorted by first byte
     int added_first[2][257];  // per pass: added_order[p][added_first[p][b] .. added_first[p][b+1]) start with b
     // chat format (see export.py, _tok_chat_data)

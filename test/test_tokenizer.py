@@ -276,6 +276,23 @@ def test_every_codepoint_class(v8, hf):
     check_pieces(v8, hf, texts, f"{len(cps)} codepoints")
 
 
+def test_single_word_sees_every_codepoint_as_hf(build, tmp_path):
+    """An added token with single_word matches only where no word character (\\w) touches it: the codepoints of
+    test_every_codepoint_class right before and right after such a token, against HF tokenizers."""
+    d, exe = build
+    tok = {"id": 4096, "content": "<M>", "single_word": True, "lstrip": False, "rstrip": False, "normalized": False,
+           "special": True}
+    hf_dir = variant(tmp_path, "single_word", lambda j: j["added_tokens"].append(tok))
+    h = Harness(exe, write_blob(d, "single_word.bin", str(hf_dir)), hf_dir=str(hf_dir))
+    want = tokenizers.Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
+    cps = [c for c in range(0x110000) if not 0xD800 <= c <= 0xDFFF and
+           (c < 0x32400 or 0xE0000 <= c <= 0xE01EF or c % 97 == 0)]
+    texts = ["".join(f" {chr(c)}<M> <M>{chr(c)} " for c in cps[i:i + 2000]) for i in range(0, len(cps), 2000)]
+    got = check_parity(h, want, texts, f"single_word beside {len(cps)} codepoints")
+    n = sum(ids.count(4096) for ids in got)
+    assert 0 < n < 2 * len(cps)      # the token matches beside some codepoints and not beside others
+
+
 def test_invalid_utf8_is_an_error(v8):
     bad = [b"\xff", b"abc\x80", b"\xc3", b"\xc3(", b"\xc0\xaf", b"\xe0\x80\xaf", b"\xed\xa0\x80", b"\xf4\x90\x80\x80",
            b"ok \xe2\x82", b"\xf8\x88\x80\x80\x80"]
@@ -527,7 +544,6 @@ REFUSALS = {
         Regex=j["pre_tokenizer"]["pretokenizers"][1]["pattern"]["Regex"].replace("\\p{N}|", "\\p{N}{1,3}|")),
         "pre-tokenizer step"),
     "model": (lambda j: j["model"].update(type="WordPiece"), "model type"),
-    "single_word": (lambda j: j["added_tokens"][2].update(single_word=True), "single_word"),
     "decoder": (lambda j: j.update(decoder={"type": "Metaspace"}), "decoder"),
 }
 
@@ -590,7 +606,6 @@ def flag_variant(tmp_path, name, edit_json, edit_decoder):
 
 
 CONFIG_REFUSALS = {   # tokenizer_config.json's added_tokens_decoder, edited: (edit, words in the message)
-    "single_word": (lambda dec: dec["18"].update(single_word=True), ["added_tokens_decoder", "single_word"]),
     "bad_key": (lambda dec: dec.update({"x": dec["18"]}), ["'x'", "not a token id"]),
 }
 
@@ -636,12 +651,12 @@ def test_config_only_added_tokens_get_the_ids_transformers_gives(build, tmp_path
 
 
 def test_added_token_flags_match_transformers(build, tmp_path):
-    """Added tokens' lstrip / rstrip / normalized, set at random in tokenizer.json and in tokenizer_config.json's
-    added_tokens_decoder (which transformers puts over the json's), plus entries only the config has (vocabulary
-    tokens, which transformers adds as added tokens), added tokens that are whitespace themselves (which a
-    neighbour's strip can swallow) and a single_word the config turns off: tokenizer.c encodes as transformers'
-    AutoTokenizer does, on text full of added tokens and whitespace (where HF itself panics, "AddedVocabulary bad
-    split", there is nothing to compare)."""
+    """Added tokens' lstrip / rstrip / normalized / single_word, set at random in tokenizer.json and in
+    tokenizer_config.json's added_tokens_decoder (which transformers puts over the json's), plus entries only the
+    config has (vocabulary tokens, which transformers adds as added tokens) and added tokens that are whitespace
+    themselves (which a neighbour's strip can swallow): tokenizer.c encodes as transformers' AutoTokenizer does, on
+    text full of added tokens, words and whitespace (where HF itself panics, "AddedVocabulary bad split", there is
+    nothing to compare)."""
     AutoTokenizer = pytest.importorskip("transformers").AutoTokenizer
     d, exe = build
     rng = random.Random(2024)
@@ -650,17 +665,16 @@ def test_added_token_flags_match_transformers(build, tmp_path):
     spaces = [" ", "  ", "\t", "\n", "\n\n", "\u3000", "\u00a0", "\r\n", "\t\t"]
     texts = []
     for k in range(1500):
-        pool = ADDED_TEXT + spaces + spaces + ["x", "def", "ab c", "日本", "'s"]
+        pool = ADDED_TEXT + spaces + spaces + ["x", "def", "ab c", "日本", "'s", "_", "é", "\u0301", "٣", "!"]
         texts.append("".join(rng.choice(pool) for _ in range(rng.randrange(1, 16))))
     texts += random_strings(500, seed=79)
     changed = panics = 0
     for trial in range(6):
         def edit_json(j):
             for a in j["added_tokens"]:
-                for f in ("lstrip", "rstrip", "normalized"):
+                for f in ("lstrip", "rstrip", "normalized", "single_word"):
                     if rng.random() < 0.3:
                         a[f] = not a[f]
-            j["added_tokens"][5]["single_word"] = True            # turned off by the config below
             if trial % 2:                                         # whitespace tokens, at the next free ids
                 for k, ws in enumerate(["\t\t", "  "]):
                     j["added_tokens"].append({"id": 4096 + k, "content": ws, "single_word": False,
@@ -669,10 +683,9 @@ def test_added_token_flags_match_transformers(build, tmp_path):
 
         def edit_decoder(dec):
             for a in dec.values():
-                for f in ("lstrip", "rstrip", "normalized"):
+                for f in ("lstrip", "rstrip", "normalized", "single_word"):
                     if rng.random() < 0.3:
                         a[f] = not a[f]
-            dec["5"]["single_word"] = False
             for t in rng.sample(pieces, 3):                       # vocabulary tokens only the config adds
                 dec[str(vocab[t])] = {"content": t, "lstrip": rng.random() < 0.5, "rstrip": rng.random() < 0.5,
                                       "normalized": False, "single_word": False, "special": False}
