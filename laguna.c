@@ -1751,6 +1751,9 @@ int main(int argc, char **argv) {
         }
         if (!strcmp(o.mode, "chat")) {
             if (!tk) die("chat needs a tokenizer in the model file");
+            if (!tk->has_chat)
+                die("-m chat needs the model's chat template, and %s has none\n  hint: send one prompt as it is "
+                    "with --raw (generate mode)", o.model_path);
             if (df) die("-m chat does not use a drafter yet\n  hint: drop -d for chat");
             rc = chat_loop(&eng, &sp, &pr, &o);
         } else {

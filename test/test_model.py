@@ -437,6 +437,7 @@ def test_export_without_a_tokenizer_or_template_it_cannot_reproduce(laguna, tmp_
     expect_error(export_cmd(d, tmp_path), "can't reproduce the chat template", "--no-chat-template", "--raw")
     run(export_cmd(d, tmp_path) + ["--no-chat-template", "-q"])
     expect_error([laguna, out, "-n", "2", "-q", "hello"], "no chat template", "--raw")
+    expect_error([laguna, out, "-m", "chat", "-n", "2", "-q"], "-m chat needs the model's chat template", "--raw")
     r = run([laguna, out, "--raw", "-t", "0", "-n", "3", "-q", "hello"])
     assert r.stdout.strip()
 
