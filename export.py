@@ -1578,7 +1578,7 @@ def _tok_check_pipeline(path, j):
 _TOK_FLAGS = ("special", "normalized", "lstrip", "rstrip", "single_word")
 
 
-def _tok_added_tokens(path, j, cpath, config, say):
+def _tok_added_tokens(j, cpath, config, say):
     """The added tokens as transformers loads them: tokenizer.json's, then tokenizer_config.json's
     added_tokens_decoder by ascending key. An entry whose content is already an added token puts its flags over
     that token's; another one is added with the id HF gives it (its vocabulary id, else the next free one past the
@@ -1644,7 +1644,7 @@ def tokenizer_blob(hf_dir, chat=True, say=None):
             config = json.load(f)
     model = j["model"]
     vocab = model.get("vocab") or {}
-    added = _tok_added_tokens(path, j, cpath, config, say)
+    added = _tok_added_tokens(j, cpath, config, say)
     id_to_tok = {}
     for tok, i in vocab.items():
         if not 0 <= i < 2**31 or i in id_to_tok:
