@@ -11,7 +11,7 @@ CUDA_ARCH ?= 90
 NVCCFLAGS ?= -O3 -std=c++17 -arch=sm_$(CUDA_ARCH) -Xcompiler -fopenmp,-Wall,-Wextra
 
 SRC = laguna.c tokenizer.c
-HDR = laguna.h tokenizer.h tokenizer_unicode.h tokenizer_word.h
+HDR = laguna.h tokenizer.h tokenizer_unicode.h
 
 laguna: $(SRC) $(HDR)
 	$(CC) $(CFLAGS) $(SRC) -o $@ $(LDLIBS)
@@ -137,7 +137,7 @@ clean:
 	rm -f laguna laguna-debug laguna-asan laguna-cuda dev/bench_gpu dev/bench_gpu_trace dev/bench_dflash dev/matvec_lab dev/moe_gemm_lab dev/chain_lab dev/bulk_lab dev/few_lab dev/skinny_lab dev/sample_lab dev/expert_lab dev/latency_lab dev/access_lab bench_tokenizer *.o
 
 # tokenizer speed: encode a file, tokens/s on one core (./bench_tokenizer BLOB FILE; dev/bench_tokenizer.c: the blob)
-bench_tokenizer: dev/bench_tokenizer.c tokenizer.c tokenizer.h tokenizer_unicode.h tokenizer_word.h
+bench_tokenizer: dev/bench_tokenizer.c tokenizer.c tokenizer.h tokenizer_unicode.h
 	$(CC) -O2 -std=c11 -Wall -Wextra -I. dev/bench_tokenizer.c tokenizer.c -o $@
 
 dev/moe_gemm_lab: dev/moe_gemm_lab.cu laguna.cu laguna.h

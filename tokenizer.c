@@ -22,7 +22,6 @@
 // Version 1 is version 2 without n_whole (0); both are read.
 #include "tokenizer.h"
 #include "tokenizer_unicode.h"
-#include "tokenizer_word.h"
 
 #include <stdarg.h>
 #include <stdio.h>
@@ -54,18 +53,6 @@ static inline uint8_t uclass(uint32_t cp) {
 
 // Decode one UTF-8 character at s[0..n). Returns its length (1..4) and sets *cp, or 0 if the bytes are not
 // well-formed UTF-8 (overlongs, surrogates and > U+10FFFF are rejected, as Rust's str and Python do).
-// \w as HF's single_word check sees it (tokenizer_word.h, read back from HF tokenizers by dev/gen_word_table.py)
-static int is_word(uint32_t cp) {
-    size_t lo = 0, hi = TOK_N_WORD_RANGES;
-    while (lo < hi) {
-        size_t mid = (lo + hi) / 2;
-        if (cp < tok_word_ranges[mid][0]) hi = mid;
-        else if (cp > tok_word_ranges[mid][1]) lo = mid + 1;
-        else return 1;
-    }
-    return 0;
-}
-
 static int utf8_decode(const unsigned char *s, size_t n, uint32_t *cp) {
     unsigned char c = s[0];
     if (c < 0x80) { *cp = c; return 1; }
@@ -560,7 +547,7 @@ static void split_added(const Tokenizer *t, Enc *e, const unsigned char *text, s
         if (best < 0) continue;
         size_t end = e->off[i] + best_len, j = i;   // the match is [i, j): it ends on a character boundary
         while (e->off[j] < end) j++;
-        if ((t->added_flags[best] & 16) && ((i > a && is_word(e->cp[i - 1])) || (j < b && is_word(e->cp[j])))) {
+        if ((t->added_flags[best] & 16) && ((i > a && (e->cls[i - 1] & TOK_W)) || (j < b && (e->cls[j] & TOK_W)))) {
             i = j - 1;                            // single_word, inside a word: not a match
             continue;
         }
